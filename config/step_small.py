@@ -1,0 +1,27 @@
+# STEP on Shakespeare, small enough for a 2-core CPU in a few minutes.
+# Two stages: 3 layers trained fully, then 3 more grown on top (interpolation-mean, upper) while
+# the first 3 sit frozen in int8 behind rank-8 LoRA adapters. config/vanilla_small.py trains the
+# same 6-layer model on the same tokens, every parameter trainable, for comparison.
+out_dir = "out-step-small"
+data_dir = "data/shakespeare"
+
+n_embd = 192
+n_head = 6
+ffn_hidden = 512
+block_size = 128
+lora_rank = 8
+lora_alpha = 16.0
+
+stage_layers = [3, 3]
+stage_tokens = [600_000, 600_000]
+grow_init = "mean"
+grow_where = "upper"
+
+batch_size = 16
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_iters = 30
+stage_warmup_iters = 20
+eval_interval = 100
+eval_iters = 10
+log_interval = 10

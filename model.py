@@ -1,0 +1,302 @@
+"""A LLaMA-style decoder in one file, with frozen int8 + LoRA layers for STEP.
+
+References: nanoGPT's model.py (structure), LLaMA (RMSNorm pre-norm, RoPE, SwiGLU, no biases),
+LoRA (Hu et al. 2022) and ReLoRA (merge-and-reinit) for the adapters, STEP (Yano et al., NAACL
+2025) for which layers are frozen. A layer is either fully trainable (seven nn.Linear) or frozen:
+its seven linears are FrozenLoRALinear (int8 weight + row scale as buffers, LoRA A/B trainable)
+and its norms stop learning. `GPTConfig.frozen_layers` says which, so a checkpoint's config alone
+rebuilds the exact module tree.
+"""
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import dequantize_int8, frozen_lora_linear, quantize_int8
+
+
+class UserError(Exception):
+    """Bad input from the user (config, data, checkpoint): printed as one line, no traceback."""
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 8256          # padded up to a multiple of 64 by the trainer (faster matmuls)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    ffn_hidden: int = 0             # 0: about 8/3 * n_embd rounded up to 64 (LLaMA's SwiGLU sizing)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    lora_rank: int = 16             # adapters on frozen layers: rank r and alpha (scale alpha/r)
+    lora_alpha: float = 32.0
+    frozen_layers: tuple = field(default_factory=tuple)  # indices of int8 + LoRA layers
+
+    def __post_init__(self):
+        self.frozen_layers = tuple(sorted(int(i) for i in self.frozen_layers))
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise UserError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
+                            f"size (RoPE rotates pairs); pick n_embd divisible by 2*n_head")
+        if self.frozen_layers and not (0 <= self.frozen_layers[0] and self.frozen_layers[-1] < self.n_layer):
+            raise UserError(f"frozen_layers {self.frozen_layers} out of range for n_layer={self.n_layer}")
+        if self.frozen_layers and not 1 <= self.lora_rank <= self.n_embd:
+            raise UserError(f"lora_rank={self.lora_rank} must be in 1..n_embd={self.n_embd}")
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 under autocast: the mean of squares loses too much in bf16
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class FrozenLoRALinear(nn.Module):
+    """y = x W^T + (alpha/r) (x A^T) B^T with W = q * scale frozen in int8 and A, B trainable."""
+
+    def __init__(self, in_features, out_features, rank, alpha):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.lora_scale = alpha / rank
+        self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features))
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank))
+        self.reset_adapter()
+
+    @classmethod
+    def from_weight(cls, w, rank, alpha):
+        m = cls(w.shape[1], w.shape[0], rank, alpha).to(w.device)
+        m.weight_q, m.weight_scale = quantize_int8(w.detach())
+        return m
+
+    def reset_adapter(self):
+        # LoRA's init: A random (Kaiming-uniform, as nn.Linear), B zero, so the adapter adds nothing
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    def dense_weight(self):
+        """The float weight this layer computes with, adapter included: W + (alpha/r) B A."""
+        w = dequantize_int8(self.weight_q, self.weight_scale)
+        return w + self.lora_scale * (self.lora_b.detach().float() @ self.lora_a.detach().float())
+
+    @torch.no_grad()
+    def merge(self):
+        """Fold the adapter into the int8 weight (dequantise, add, re-quantise) and restart it."""
+        self.weight_q, self.weight_scale = quantize_int8(self.dense_weight())
+        self.reset_adapter()
+
+    def forward(self, x):
+        return frozen_lora_linear(x, self.weight_q, self.weight_scale, self.lora_a, self.lora_b,
+                                  self.lora_scale)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, int8, rank={self.rank}"
+
+
+def dense_weight(linear):
+    """Float weight of a trainable nn.Linear or a FrozenLoRALinear (used by merging and growth)."""
+    return linear.dense_weight() if isinstance(linear, FrozenLoRALinear) else linear.weight.detach().float()
+
+
+def rope_cache(head_dim, block_size, theta):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)   # (hs/2,)
+    angles = torch.outer(torch.arange(block_size).float(), inv_freq)             # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x (B, nh, T, hs); rotate the two halves of each head (the GPT-NeoX / HF LLaMA convention)
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        d = cfg.n_embd
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q = self.q(x).view(B, T, self.n_head, hs).transpose(1, 2)   # (B, nh, T, hs)
+        k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)
+        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))   # SwiGLU
+
+
+LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
+RESIDUAL_OUT = ("attn.o", "mlp.down")   # projections that write into the residual stream
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def linear(self, name):
+        parent, child = name.split(".")
+        return getattr(getattr(self, parent), child)
+
+    @property
+    def frozen(self):
+        return isinstance(self.attn.q, FrozenLoRALinear)
+
+    def freeze(self, rank, alpha):
+        """Store the seven linears in int8 behind fresh LoRA adapters; stop training the norms."""
+        for name in LINEARS:
+            parent, child = name.split(".")
+            lin = self.linear(name)
+            setattr(getattr(self, parent), child, FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha))
+        self.attn_norm.weight.requires_grad_(False)
+        self.mlp_norm.weight.requires_grad_(False)
+
+    def merge_adapters(self):
+        for name in LINEARS:
+            self.linear(name).merge()
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = rope_cache(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for block in self.layers:
+            for name in RESIDUAL_OUT:  # GPT-2's scaled init keeps the residual stream's variance flat
+                nn.init.normal_(block.linear(name).weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for i in cfg.frozen_layers:
+            self.layers[i].freeze(cfg.lora_rank, cfg.lora_alpha)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+        x = self.wte(idx)                                           # (B, T, C)
+        for block in self.layers:
+            x = block(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None               # inference: last position only
+        logits = self.lm_head(x)                                    # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def num_params(self):
+        """(trainable, frozen) element counts; frozen counts int8 weights and frozen norms."""
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        frozen += sum(b.numel() for n, b in self.named_buffers() if n.endswith("weight_q"))
+        return trainable, frozen
+
+    def estimate_flops(self):
+        """Training FLOPs per token: 6 per trainable matmul weight (forward, dX, dW), 4 per frozen
+        one (no dW), plus attention scores and mixing (PaLM's 12*L*d*T, causal mask not credited)."""
+        cfg = self.config
+        flops = 6 * cfg.n_embd * cfg.vocab_size                     # lm_head (embedding lookup: free)
+        for block in self.layers:
+            for name in LINEARS:
+                lin = block.linear(name)
+                if isinstance(lin, FrozenLoRALinear):
+                    flops += 4 * lin.weight_q.numel() + 6 * (lin.lora_a.numel() + lin.lora_b.numel())
+                else:
+                    flops += 6 * lin.weight.numel()
+        return flops + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=0, generator=None):
+        """Extend idx (B, T) by max_new_tokens tokens; temperature 0 means greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+# MFU denominators: dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity)
+PEAK_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
+              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of a CUDA device by name, or None (CPU, unknown GPU: MFU shows n/a)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():   # dict order puts specific names before their prefixes
+        if key in name:
+            return value
+    return None
+
+
+def model_args(model):
+    return asdict(model.config)

@@ -1,0 +1,54 @@
+"""Sample text from a checkpoint.
+
+  python sample.py --ckpt out-step-small/ckpt.pt --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 --top_k 200 --seed 1
+"""
+import argparse
+import sys
+
+import torch
+
+from model import UserError
+
+
+def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1):
+    from data.prepare import get_tokenizer
+    enc = get_tokenizer(meta["tokenizer"], meta.get("vocab_ranks", 0))
+    device = next(model.parameters()).device
+    ids = enc.encode_ordinary(prompt) or [meta["eot_token"]]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
+    model.train(was_training)
+    # ids past the data's vocabulary (the model's vocab is padded to a multiple of 64) decode to nothing
+    texts = [enc.decode([t for t in row if t < meta["vocab_size"] and t != meta["eot_token"]]) for row in out.tolist()]
+    return "\n---------------\n".join(texts)
+
+
+def main(argv):
+    import train
+    p = argparse.ArgumentParser(description="sample text from a checkpoint")
+    p.add_argument("--ckpt", default="out-step-small/ckpt.pt")
+    p.add_argument("--prompt", default="\n", help="text, or FILE:path to read it from a file")
+    p.add_argument("--max_new_tokens", type=int, default=300)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="0 = no top-k filter")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    prompt = open(a.prompt[5:]).read() if a.prompt.startswith("FILE:") else a.prompt
+    ckpt = train.load_checkpoint(a.ckpt)
+    if not ckpt.get("meta"):
+        raise UserError(f"{a.ckpt} records no tokenizer (meta); it was not written by train.py")
+    model = train.model_from_checkpoint(ckpt, a.ckpt).to(a.device)
+    print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num_samples))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
