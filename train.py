@@ -39,6 +39,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_only: bool = False
     dry_run: bool = False               # print the resolved config, model and stage plan, then exit
+    stop_at: int = 0                    # >0: save and stop at this iteration, as a preempted job would
     sample_tokens: int = 200            # a sample written to out_dir/sample.txt at the end (0: none)
     seed: int = 1337
     # model (the final depth comes from the stages below)
@@ -509,7 +510,7 @@ def main(argv):
             flops_per_iter = raw.estimate_flops() * tokens_per_iter
             plan_bytes = grow.state_bytes(raw.config, train_embeddings=cfg.train_embeddings)
 
-        last = it == total_iters
+        last = it == total_iters or it == cfg.stop_at > 0
         if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
             losses = estimate_loss(model, data, cfg, ctx, device, rank, world)
             best_val = min(best_val, losses["val"])
@@ -519,6 +520,9 @@ def main(argv):
             log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val {losses['val']:.4f} "
                       f"(best {best_val:.4f})" + (" | ckpt saved" if saved else ""))
             log.record(step=it, stage=stage + 1, train_loss=losses["train"], val_loss=losses["val"])
+        if it == cfg.stop_at > 0:
+            log.print(f"stopped at step {it} (stop_at); continue with --init_from=resume")
+            return
         if last:
             break
 
@@ -535,7 +539,7 @@ def main(argv):
                 (loss / accum).backward()
         norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if not torch.isfinite(loss) or not torch.isfinite(norm):
-            raise UserError(f"loss is {loss.item()} at step {it} (grad norm {norm.item()}); training stopped, "
+            raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm {norm.item()}); stopped, "
                             f"{ckpt_path} still holds the last good state: lower learning_rate and resume")
         opt.step()
         measured = grow.measured_state_bytes(raw, opt) if (it + 1) % cfg.log_interval == 0 else None
@@ -581,7 +585,7 @@ MODEL_KEYS = {"data_dir", "n_layer", "n_head", "n_embd", "ffn_hidden", "block_si
               "grow_where", "train_embeddings"}
 # keys that may differ between a run and its resume without changing what is computed
 RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_interval", "sample_tokens",
-             "out_dir"}
+             "out_dir", "stop_at"}
 
 
 if __name__ == "__main__":

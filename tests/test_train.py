@@ -1,0 +1,163 @@
+"""The trainer end to end on tiny models and synthetic data (CPU, in-process unless the test is
+about what a user sees on the terminal)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from model import UserError
+from tests.helpers import write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=2", "--sample_tokens=0", "--warmup_iters=4", "--stage_warmup_iters=3"]
+
+
+def args(tmp_path, *extra, data=None):
+    data = data or write_dataset(tmp_path / "data")
+    return TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *extra]
+
+
+def metrics(tmp_path):
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        return [json.loads(l) for l in f]
+
+
+def final_state(tmp_path):
+    return torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+# -- config -------------------------------------------------------------------------------------
+
+def test_config_file_then_overrides(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_size = 8\nlearning_rate = 3e-4\nstage_layers = [2, 1]\n_private = 1\n")
+    cfg = train.load_config([str(cfg_file), "--batch_size=2", "--learning_rate=1", "--out_dir=a=b",
+                             "--grow_where=lower", "--compile=False"])
+    assert cfg.batch_size == 2 and cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+    assert cfg.out_dir == "a=b"                        # split on the first '=' only
+    assert cfg.stage_layers == [2, 1] and cfg.grow_where == "lower" and cfg.compile is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no_such_key=1"], "unknown config key 'no_such_key'"),
+    (["--batch_size=2.5"], "wants a int"),
+    (["--compile=1"], "wants a bool"),
+    (["--batch_size"], "needs a value"),
+    (["missing_config.py"], "not found"),
+    (["--stage_layers=[2, 0]"], "at least one layer"),
+    (["--stage_layers=[2, 2]", "--target_layers=5"], "sum to 4"),
+    (["--stage_layers=[2, 2]", "--lora_rank=0"], "lora_rank"),
+    (["--stage_layers=[2, 2]", "--lora_rank=1000"], "lora_rank"),
+    (["--grow_init=magic"], "grow_init"),
+])
+def test_bad_config_is_one_clear_error(argv, message):
+    with pytest.raises(UserError, match=message):
+        train.load_config(argv)
+
+
+def test_budget_nothing_fits_and_stage_token_mismatch(tmp_path):
+    with pytest.raises(UserError, match="stage_tokens has 1 entries for 2 stages"):
+        train.main(args(tmp_path, "--stage_layers=[1, 1]", "--stage_tokens=[1000]"))
+
+
+def test_dry_run_prints_and_trains_nothing(tmp_path, capsys):
+    train.main(args(tmp_path, "--dry_run=True", "--stage_layers=[1, 1]", "--max_iters=10"))
+    out = capsys.readouterr().out
+    assert "tokens/iter" in out and "1 + 1 layers" in out and "n/a" in out
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+# -- training -----------------------------------------------------------------------------------
+
+def test_loss_falls_on_a_tiny_corpus(tmp_path):
+    train.main(args(tmp_path, "--max_iters=60", "--eval_interval=30", "--n_layer=2", "--learning_rate=3e-3"))
+    evals = [m for m in metrics(tmp_path) if "val_loss" in m]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
+    assert evals[-1]["val_loss"] < 0.6 * evals[0]["val_loss"]
+    steps = [m for m in metrics(tmp_path) if "loss" in m]
+    assert all(m["state_bytes"] == m["plan_bytes"] for m in steps)
+
+
+@pytest.mark.parametrize("stages, stop", [("[2]", 7), ("[1, 1]", 7), ("[1, 1]", 12), ("[1, 1, 1]", 13)])
+def test_resume_is_bitwise_exact(tmp_path, stages, stop):
+    """N straight steps == k steps + resume + N-k steps, bitwise on CPU, mid-stage and across a
+    growth boundary (stages of 10 iters; 7 and 13 stop mid-stage, 12 right after a growth)."""
+    common = [f"--stage_layers={stages}", f"--max_iters={10 * len(eval(stages))}", "--eval_interval=5",
+              "--relora_every=4"]
+    data = write_dataset(tmp_path / "data")
+    straight, split = tmp_path / "a", tmp_path / "b"
+    train.main(args(straight, *common, data=data))
+    train.main(args(split, *common, f"--stop_at={stop}", data=data))
+    assert final_state(split)["iter_num"] == stop
+    train.main(args(split, *common, "--init_from=resume", data=data))
+    a, b = final_state(straight), final_state(split)
+    assert a["iter_num"] == b["iter_num"] == 10 * len(eval(stages))
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    la = [(m["step"], m["loss"]) for m in metrics(straight) if "loss" in m]
+    lb = [(m["step"], m["loss"]) for m in metrics(split) if "loss" in m]
+    assert la == lb
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    common = ["--max_iters=20", "--eval_interval=5"]
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path, *common, "--stop_at=5", data=data))
+    good = final_state(tmp_path)
+    # an absurd learning rate blows the weights up on the first resumed step
+    with pytest.raises(UserError, match=r"non-finite loss or gradient at step [67]"):
+        train.main(args(tmp_path, *common, "--init_from=resume", "--learning_rate=1e38", data=data))
+    after = final_state(tmp_path)
+    assert after["iter_num"] == 5 and all(torch.equal(good["model"][k], after["model"][k]) for k in good["model"])
+
+
+# -- bad input on the command line: one line, no traceback, nothing lost --------------------------
+
+def one_line_error(proc, message):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+def test_cli_bad_inputs(tmp_path):
+    out = f"--out_dir={tmp_path / 'out'}"
+    one_line_error(run_cli("--no_such_key=1"), "unknown config key")
+    one_line_error(run_cli(*TINY, f"--data_dir={tmp_path / 'nodata'}", out), "no prepared data")
+    empty = write_dataset(tmp_path / "empty")
+    open(os.path.join(empty, "val.bin"), "wb").close()
+    one_line_error(run_cli(*TINY, f"--data_dir={empty}", out), "missing or empty")
+    bad_ids = write_dataset(tmp_path / "ids", top=500)
+    one_line_error(run_cli(*TINY, f"--data_dir={bad_ids}", out), "token id 500 >= vocab size 100")
+    short = write_dataset(tmp_path / "short", n_val=10)
+    one_line_error(run_cli(*TINY, f"--data_dir={short}", out), "not more than block_size")
+    data = write_dataset(tmp_path / "data")
+    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no checkpoint")
+    os.makedirs(tmp_path / "out", exist_ok=True)
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"not a checkpoint at all")
+    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "unreadable")
+
+
+def test_resume_with_another_model_config_is_refused(tmp_path):
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", data=data))
+    with pytest.raises(UserError, match="different model: n_embd=32"):
+        train.main(args(tmp_path, "--max_iters=4", "--init_from=resume", "--n_embd=48", data=data))
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", data=data))
+    path = tmp_path / "out" / "ckpt.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(UserError, match="unreadable"):
+        train.main(args(tmp_path, "--max_iters=4", "--init_from=resume", data=data))
