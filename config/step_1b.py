@@ -1,0 +1,25 @@
+# STEP at the paper's 1.2B scale (ReLoRA/GaLore LLaMA-1B: hidden 2048, 24 layers, FFN 5461,
+# 32 heads, sequence 1024), for GPUs. Three stages planned by Eq. 3; see `python grow.py plan`.
+out_dir = "out-step-1b"
+data_dir = "data/fineweb-edu"
+
+n_embd = 2048
+n_head = 32
+ffn_hidden = 5461
+block_size = 1024
+lora_rank = 64
+lora_alpha = 128.0
+
+target_layers = 24
+n_stages = 3
+stage_tokens = [8_000_000_000, 8_000_000_000, 8_000_000_000]   # 24B tokens, ~20 per parameter
+
+batch_size = 16
+gradient_accumulation_steps = 32    # 512 sequences per step
+learning_rate = 5e-4
+min_lr = 5e-5
+warmup_iters = 2000
+stage_warmup_iters = 200
+eval_interval = 1000
+eval_iters = 50
+log_interval = 10

@@ -1,0 +1,184 @@
+import itertools
+
+import pytest
+import torch
+
+import grow
+import train
+from model import GPT, UserError
+from tests.helpers import tiny_config
+
+
+def paper_eq2(P, E, layers):
+    """The paper's Eq. 2, written out independently: 16 n_i P + 2 N_{i-1} P + 16 N_{i-1} E."""
+    out, done = [], 0
+    for n in layers:
+        out.append(16 * n * P + 2 * done * P + 16 * done * E)
+        done += n
+    return out
+
+
+def compositions(L, K):
+    if K == 1:
+        yield [L]
+        return
+    for first in range(1, L - K + 2):
+        for rest in compositions(L - first, K - 1):
+            yield [first] + rest
+
+
+# -- memory model and planner --------------------------------------------------------------------
+
+def test_bf16_layers_only_accounting_is_the_papers_eq2():
+    cfg = tiny_config(lora_rank=4)
+    weights, _, norms, adapter = grow.layer_counts(cfg)
+    P = weights + norms
+    d, f, r = cfg.n_embd, cfg.ffn_hidden, 4
+    assert P == 4 * d * d + 3 * d * f + 2 * d
+    assert adapter == r * (4 * 2 * d + 2 * (d + f) + (f + d))
+    for layers in ([3], [2, 1], [1, 1, 1], [4, 2, 2]):
+        assert grow.stage_memory(cfg, layers, accounting="bf16", layers_only=True) == paper_eq2(P, adapter, layers)
+
+
+def test_int8_accounting_counts_int8_weights_row_scales_and_norms():
+    cfg = tiny_config(lora_rank=4, vocab_size=64, tie_embeddings=True)
+    weights, rows, norms, adapter = grow.layer_counts(cfg)
+    got = grow.state_bytes(cfg, n_trainable=1, n_frozen=2, accounting="int8")
+    embed = 16 * (64 * cfg.n_embd + cfg.n_embd)
+    assert got == 16 * (weights + norms) + 2 * (weights + 4 * rows + 4 * norms + 16 * adapter) + embed
+
+
+def test_plan_hand_worked_case():
+    # P = 100, E = 0: L=4, K=2 -> (1,3): max(16, 50)=50; (2,2): max(32, 36)=36; (3,1): max(48, 22)=48
+    assert min(compositions(4, 2), key=lambda l: max(paper_eq2(100, 0, l))) == [2, 2]
+    cfg = tiny_config(lora_rank=1)
+    assert grow.plan_stages(cfg, 4, 2, accounting="bf16", layers_only=True) == [2, 2]
+    assert grow.plan_stages(cfg, 5, 1) == [5]
+
+
+@pytest.mark.parametrize("L, K, acc, layers_only", [(8, 2, "bf16", True), (9, 3, "int8", False),
+                                                    (12, 3, "bf16", False), (7, 4, "int8", True)])
+def test_plan_matches_brute_force(L, K, acc, layers_only):
+    cfg = tiny_config(lora_rank=8)
+    kw = dict(accounting=acc, layers_only=layers_only)
+    best = min(max(grow.stage_memory(cfg, l, **kw)) for l in compositions(L, K))
+    plan = grow.plan_stages(cfg, L, K, **kw)
+    assert sum(plan) == L and len(plan) == K and min(plan) >= 1
+    assert max(grow.stage_memory(cfg, plan, **kw)) == best
+
+
+def test_budget_picks_smallest_k_or_says_none_fits():
+    cfg = tiny_config(lora_rank=2)
+    one = max(grow.stage_memory(cfg, [12]))
+    k, layers, peak = grow.smallest_plan(cfg, 12, one)
+    assert k == 1 and layers == [12]
+    two = max(grow.stage_memory(cfg, grow.plan_stages(cfg, 12, 2)))
+    assert grow.smallest_plan(cfg, 12, two)[0] == 2
+    with pytest.raises(UserError, match="no plan of up to"):
+        grow.smallest_plan(cfg, 12, 1000)
+
+
+def test_measured_state_bytes_equal_the_plan():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2))
+    grow.next_stage(model, 2)
+    opt = train.build_optimizer(model, train.TrainConfig(), torch.device("cpu"))
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx, idx)[1].backward()
+    opt.step()
+    assert grow.measured_state_bytes(model, opt) == grow.state_bytes(model.config)
+
+
+# -- growth operators ----------------------------------------------------------------------------
+
+def logits(model, idx):
+    return model(idx, idx)[0].detach()
+
+
+@pytest.mark.parametrize("where", grow.PLACEMENTS)
+def test_zero_growth_keeps_the_function_exactly(where):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=3))
+    idx = torch.randint(0, 128, (2, 16))
+    before = logits(model, idx)
+    new = grow.grow(model, 2, init="zero", where=where, seed=1)
+    assert model.config.n_layer == len(model.layers) == 5 and len(new) == 2
+    assert torch.equal(logits(model, idx), before)
+
+
+def test_zero_growth_with_freezing_stays_within_int8_error():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2))
+    idx = torch.randint(0, 128, (2, 16))
+    before = logits(model, idx)
+    grow.next_stage(model, 2, init="zero")
+    after = logits(model, idx)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, before, atol=0.05, rtol=0.05)
+
+
+def test_mean_growth_places_means_where_asked():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=4))
+    old = [b.attn.q.weight.detach().clone() for b in model.layers]
+    new = grow.grow(model, 2, init="mean", where="upper")
+    # upper: after old layers 2 and 3 -> stack 0 1 2 m(2,3) 3 copy(3)
+    assert new == [3, 5]
+    q = [b.attn.q.weight.detach() for b in model.layers]
+    for i, j in ((0, 0), (1, 1), (2, 2), (4, 3)):
+        assert torch.equal(q[i], old[j])
+    torch.testing.assert_close(q[3], (old[2] + old[3]) / 2)
+    assert torch.equal(q[5], old[3])
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=4))
+    assert grow.grow(model, 2, init="mean", where="lower") == [1, 3]        # after layers 0 and 1
+    torch.testing.assert_close(model.layers[1].attn.q.weight, (old[0] + old[1]) / 2)
+    assert grow.insertion_gaps(4, 2, "interleave") == [1, 3]
+    assert grow.insertion_gaps(6, 3, "random", seed=5) == grow.insertion_gaps(6, 3, "random", seed=5)
+    assert grow.insertion_gaps(2, 5, "upper") == [0, 0, 1, 1, 1]           # more new layers than gaps
+
+
+def test_stack_follows_its_mapping():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=3))
+    old = [b.mlp.down.weight.detach().clone() for b in model.layers]
+    assert grow.grow(model, 4, init="stack") == [3, 4, 5, 6]
+    for k, src in enumerate([0, 1, 2, 0, 1, 2, 0]):
+        assert torch.equal(model.layers[k].mlp.down.weight, old[src])
+
+
+def test_after_a_step_frozen_weights_are_bit_identical_and_the_rest_moved():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2))
+    grow.next_stage(model, 1)
+    grow.next_stage(model, 1)              # two growths: the first adapters are merged on the second
+    assert model.config.frozen_layers == (0, 1, 2)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "weight_q" in k or "weight_scale" in k
+              or ("norm" in k and k.startswith("layers.") and int(k.split(".")[1]) in model.config.frozen_layers)}
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "norm" in n and n.startswith("layers.")
+               and int(n.split(".")[1]) in model.config.frozen_layers)
+    opt = train.build_optimizer(model, train.TrainConfig(), torch.device("cpu"))
+    for _ in range(2):   # B starts at zero, so A only moves from the second step
+        idx = torch.randint(0, 128, (2, 16))
+        model(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    assert frozen and all(torch.equal(state[k], v) for k, v in frozen.items())
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, trainable[n])]
+    assert set(moved) == set(trainable)    # every adapter, every new layer, embeddings and head moved
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_bad_growth_requests():
+    model = GPT(tiny_config())
+    with pytest.raises(UserError, match="init"):
+        grow.grow(model, 1, init="magic")
+    with pytest.raises(UserError, match="where"):
+        grow.grow(model, 1, where="sideways")
+    with pytest.raises(UserError, match="at least one layer"):
+        grow.grow(model, 0)
+    with pytest.raises(UserError, match="n_stages=5"):
+        grow.plan_stages(tiny_config(), 4, 5)
