@@ -429,6 +429,9 @@ def main(argv):
             if changed and master:
                 print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly")
             it = ckpt["iter_num"]
+    if cfg.init_from not in ("scratch", "resume"):
+        # the checkpoint's depth is stage 1's; later stages still add their n_i on top
+        depth = [d + model.config.n_layer - depth[0] for d in depth]
     if model.config.vocab_size != vocab_size:
         raise UserError(f"model vocab {model.config.vocab_size} does not match the data's {vocab_size}")
     model.to(device)

@@ -161,3 +161,24 @@ def test_truncated_checkpoint_is_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(UserError, match="unreadable"):
         train.main(args(tmp_path, "--max_iters=4", "--init_from=resume", data=data))
+
+
+def test_sample_grow_and_plan_clis(tmp_path):
+    data = write_dataset(tmp_path / "data", vocab=300)     # 299 BPE ranks + <|endoftext|>: a real tokenizer
+    train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--n_layer=2", data=data))
+    ckpt = str(tmp_path / "out" / "ckpt.pt")
+    proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={ckpt}", "--max_new_tokens=20", "--prompt=To be"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("To be") and len(proc.stdout) > len("To be"), proc.stderr
+    grown = str(tmp_path / "grown.pt")
+    proc = subprocess.run([sys.executable, "grow.py", ckpt, "--add=2", "--init=zero", "--freeze", f"--out={grown}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "from 2 to 4 layers" in proc.stdout, proc.stderr
+    # upper placement with as many new layers as old: one above each old layer
+    assert tuple(torch.load(grown, weights_only=False)["model_args"]["frozen_layers"]) == (0, 2)
+    out2 = tmp_path / "from_grown"
+    train.main(args(out2, "--max_iters=4", "--eval_interval=2", f"--init_from={grown}", data=data))
+    assert final_state(out2)["model_args"]["n_layer"] == 4
+    proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 accounting" in proc.stdout, proc.stderr
