@@ -182,3 +182,16 @@ def test_sample_grow_and_plan_clis(tmp_path):
     proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 accounting" in proc.stdout, proc.stderr
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    """torchrun with gloo: two ranks train through a growth boundary and rank 0 saves."""
+    data = write_dataset(tmp_path / "data")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *args(tmp_path, "--stage_layers=[1, 1]", "--max_iters=6", "--eval_interval=3",
+                                             "--gradient_accumulation_steps=2", data=data)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "world size : 2" in proc.stdout and proc.stdout.count("== stage 2/2") == 1   # rank 0 logs alone
+    state = final_state(tmp_path)
+    assert state["iter_num"] == 6 and state["model_args"]["n_layer"] == 2
