@@ -213,7 +213,7 @@ def _plan_cli(args):
           f"lora rank {cfg.lora_rank}, embeddings {'trainable' if tcfg.train_embeddings else 'frozen'} in later stages")
     if args.budget:
         k, layers, peak = smallest_plan(cfg, target, args.budget, **kw)
-        print(f"budget {args.budget / 2**30:.2f} GiB: smallest K = {k}, layers {layers}, peak {peak / 2**30:.2f} GiB")
+        print(f"budget {args.budget / 2**30:.2f} GiB (int8 accounting, all tensors): smallest K = {k}, layers {layers}, peak {peak / 2**30:.2f} GiB")
     stages = [args.stages] if args.stages else sorted({2, 3, tcfg.n_stages if tcfg.target_layers else len(tcfg.stage_layers) or 1})
     for acc in ("bf16", "int8"):
         for scope, layers_only in (("all tensors", False), ("layers only, as the paper", True)):

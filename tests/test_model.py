@@ -94,3 +94,32 @@ def test_bad_model_configs():
         tiny_config(frozen_layers=(0,), lora_rank=0)
     with pytest.raises(UserError, match="out of range"):
         tiny_config(frozen_layers=(5,))
+
+
+def _losses_after_steps(kernels_mode, monkeypatch, steps=3):
+    monkeypatch.setenv("STEP_KERNELS", kernels_mode)
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2, frozen_layers=(0,), lora_rank=8))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, 128, (2, 16), generator=g)
+        loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_with_triton_kernels_matches_the_reference(monkeypatch):
+    """A few optimizer steps of a model with a frozen int8 layer: the Triton kernels (interpreter on
+    CPU) and the PyTorch reference give the same losses."""
+    import kernels
+    if not kernels.HAS_TRITON or not (kernels.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("needs triton with CUDA or TRITON_INTERPRET=1")
+    ref = _losses_after_steps("reference", monkeypatch)
+    tri = _losses_after_steps("triton", monkeypatch)
+    assert ref[0] != ref[-1]
+    torch.testing.assert_close(torch.tensor(tri), torch.tensor(ref), rtol=1e-4, atol=1e-4)
