@@ -1,0 +1,254 @@
+"""Benchmark the frozen int8 + LoRA linear against its PyTorch baselines (kernel_anchors.md §9.6).
+
+    python bench/kernels.py                               # LLaMA-350M and 1B layer shapes (GPU)
+    python bench/kernels.py --quick                       # M=8192, r=16 only: < 2 min on an H200
+    python bench/kernels.py --quick --out bench/kernels_gpu.md
+
+Providers, all with bf16 activations, timed forward, backward and forward+backward:
+  step:<path>   our Triton op on the named path (* marks the one choose_path picks)
+  reference     plain PyTorch (int8 -> bf16 cast, matmul, low-rank terms): STEP_KERNELS=reference
+  bf16 frozen   F.linear with a frozen bf16 weight and no adapter: the speed ceiling
+  bf16 trained  F.linear with a trained bf16 weight (dX and dW in the backward)
+
+Without CUDA it checks correctness in the Triton interpreter instead, and exits 0.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before `import kernels`: Triton reads it when kernels are defined
+os.environ.pop("STEP_LORA_PATH", None)    # the bench names each path itself
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import frozen_lora  # noqa: E402
+
+MODELS = {"350M": (1024, 2736), "1B": (2048, 5461)}        # hidden, FFN width
+TOKENS = (2048, 8192, 32768)
+RANKS = (16, 64)
+LORA_SCALE = 2.0
+MODES = ("fwd", "bwd", "f+b")
+
+
+def layer_shapes(d, ffn):
+    # (layer, N, K) for y[M, N] = x[M, K] · Wᵀ
+    return [("q/k/v/o", d, d), ("gate/up", ffn, d), ("down", d, ffn)]
+
+
+def make_inputs(m, n, k, r):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    q, scale = kernels.quantize_int8(w)
+    a = (torch.randn(r, k, device="cuda") / k ** 0.5).requires_grad_()   # fp32 masters
+    b = (torch.randn(n, r, device="cuda") / r ** 0.5).requires_grad_()
+    w_frozen = w.bfloat16()
+    w_trained = w.bfloat16().requires_grad_()
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return x, q, scale, a, b, w_frozen, w_trained, dy
+
+
+def providers(inputs, paths):
+    """-> [(name, fn, tensors with grads, GEMMs in the backward)]"""
+    x, q, scale, a, b, w_frozen, w_trained, _ = inputs
+    out = [(f"step:{p}", lambda p=p: frozen_lora.frozen_lora_linear_triton(x, q, scale, a, b, LORA_SCALE, p),
+            [x, a, b], 1) for p in paths]
+    out.append(("reference", lambda: frozen_lora.frozen_lora_linear_reference(x, q, scale, a, b, LORA_SCALE),
+                [x, a, b], 1))
+    out.append(("bf16 frozen", lambda: F.linear(x, w_frozen), [x], 1))
+    out.append(("bf16 trained", lambda: F.linear(x, w_trained), [x, w_trained], 2))
+    return out
+
+
+def do_bench(fn, grads):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, quantiles=[0.5, 0.2, 0.8])
+
+
+def peak_mib(fn, dy, grads):
+    # transient + saved memory of one forward+backward (the hybrid's shared scratch buffer, one
+    # dequantised weight per device for all layers, already exists and is not counted)
+    for t in grads:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn().backward(dy)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def bench_config(model, layer, n, k, m, r, paths, reverse):
+    inputs = make_inputs(m, n, k, r)
+    dy = inputs[-1]
+    provs = providers(inputs, paths)
+    if reverse:  # alternate the provider order between configs against clock and thermal drift
+        provs = provs[::-1]
+    times = {name: {} for name, *_ in provs}
+    for name, fn, grads, _ in provs:  # compile and autotune outside the timed loops
+        fn().backward(dy)
+    for mode in MODES:
+        for name, fn, grads, _ in provs:
+            if mode == "fwd":
+                times[name][mode] = do_bench(fn, grads)
+            elif mode == "bwd":
+                y = fn()
+                times[name][mode] = do_bench(lambda: y.backward(dy, retain_graph=True), grads)
+                del y
+            else:
+                times[name][mode] = do_bench(lambda: fn().backward(dy), grads)
+    auto = frozen_lora.choose_path(m, n, k, r)
+    rows = []
+    for name, fn, grads, bwd_gemms in sorted(provs, key=lambda p: p[0]):
+        gemm = 2 * m * n * k
+        t = times[name]
+        rows.append(dict(model=model, layer=layer, n=n, k=k, m=m, r=r,
+                         provider=name + ("*" if name == f"step:{auto}" else ""),
+                         fwd=t["fwd"], bwd=t["bwd"], full=t["f+b"],
+                         tflops_fwd=gemm / t["fwd"][0] * 1e-9,
+                         tflops_full=gemm * (1 + bwd_gemms) / t["f+b"][0] * 1e-9,
+                         peak=peak_mib(fn, dy, grads)))
+    return rows
+
+
+COLUMNS = [("model", 5, "{}"), ("layer", 8, "{}"), ("N", 5, "{}"), ("K", 5, "{}"), ("M", 6, "{}"),
+           ("r", 3, "{}"), ("provider", 22, "{}"), ("fwd ms", 7, "{:.3f}"), ("bwd ms", 7, "{:.3f}"),
+           ("f+b ms", 7, "{:.3f}"), ("f+b p20-p80", 13, "{}"), ("fwd TF/s", 8, "{:.0f}"),
+           ("f+b TF/s", 8, "{:.0f}"), ("peak MiB", 8, "{:.0f}")]
+
+
+def cells(row):
+    full = row["full"]
+    values = [row["model"], row["layer"], row["n"], row["k"], row["m"], row["r"], row["provider"],
+              row["fwd"][0], row["bwd"][0], full[0], f"{full[1]:.3f}-{full[2]:.3f}",
+              row["tflops_fwd"], row["tflops_full"], row["peak"]]
+    return [fmt.format(v) for (_, _, fmt), v in zip(COLUMNS, values)]
+
+
+def text_header():
+    return "  ".join(f"{name:>{w}}" for name, w, _ in COLUMNS)
+
+
+def text_rows(rows):
+    return "\n".join("  ".join(f"{c:>{w}}" for c, (_, w, _) in zip(cells(row), COLUMNS)) for row in rows)
+
+
+def markdown_table(rows):
+    lines = ["| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
+             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def target_lines(rows):
+    """The kernel_anchors.md §9.7 goals at M=8192, r=16: for the path choose_path picks (*) and,
+    if another one is faster, for that one too."""
+    lines = []
+
+    def check(label, value, goal, ok):
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {label}: {value:.2f}x (goal {goal})")
+
+    for model, (d, ffn) in MODELS.items():
+        for layer, n, k in layer_shapes(d, ffn):
+            at = {row["provider"]: row for row in rows
+                  if (row["model"], row["layer"], row["m"], row["r"]) == (model, layer, 8192, 16)}
+            steps = [row for name, row in at.items() if name.startswith("step:")]
+            if not steps:
+                continue
+            ref, ceiling = at["reference"], at["bf16 frozen"]
+            chosen = next(row for row in steps if row["provider"].endswith("*"))
+            fastest = min(steps, key=lambda row: row["full"][0])
+            for row in [chosen] if fastest is chosen else [chosen, fastest]:
+                where = f"{model} {layer} {row['provider']}"
+                if model == "1B":
+                    ratio = row["full"][0] / ceiling["full"][0]
+                    check(f"{where} f+b time / bf16 frozen", ratio, "<= 1.10", ratio <= 1.10)
+                speedup = ref["full"][0] / row["full"][0]
+                goal = 1.2 if model == "1B" else 1.5
+                check(f"{where} f+b speed-up over reference", speedup, f">= {goal}", speedup >= goal)
+            fused = next(row for row in steps
+                         if row["provider"].rstrip("*") == f"step:{frozen_lora.fused_variant(n, 16)}")
+            ratio = fused["tflops_fwd"] / ceiling["tflops_fwd"]
+            check(f"{model} {layer} {fused['provider']} forward TFLOP/s / bf16 cuBLAS", ratio, ">= 0.90",
+                  ratio >= 0.90)
+    return lines
+
+
+def run_gpu(args):
+    import triton
+    device = torch.cuda.get_device_name()
+    header = (f"device {device} | torch {torch.__version__} | triton {triton.__version__} | "
+              f"{'quick' if args.quick else 'full'} run | bf16 activations, LoRA scale {LORA_SCALE}")
+    print(header)
+    tokens, ranks = ((8192,), (16,)) if args.quick else (TOKENS, RANKS)
+    rows = []
+    print(text_header())
+    for model, (d, ffn) in MODELS.items():
+        for layer, n, k in layer_shapes(d, ffn):
+            for m in tokens:
+                for r in ranks:
+                    if args.quick:  # the rule's choice and the other main path
+                        paths = sorted({frozen_lora.fused_variant(n, r), "hybrid"})
+                    else:
+                        paths = list(frozen_lora.PATHS)
+                    new = bench_config(model, layer, n, k, m, r, paths, reverse=len(rows) % 2 == 1)
+                    rows += new
+                    print(text_rows(new), flush=True)
+    targets = target_lines(rows)
+    print("\n".join(["", "targets (kernel_anchors.md §9.7):"] + targets))
+    legend = ("TFLOP/s counts the dense GEMMs only (2·M·N·K each: one forward; one backward, two for "
+              "bf16 trained); medians of triton.testing.do_bench, p20-p80 for f+b. "
+              "* = the path choose_path picks for that shape.")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# bench/kernels.py\n\n{header}\n\n{legend}\n\n{markdown_table(rows)}\n\n"
+                    "## Targets\n\n" + "\n".join(f"- {t}" for t in targets) + "\n")
+        print(f"wrote {args.out}")
+
+
+def run_cpu_check():
+    """Every path against the reference on one ragged shape, in the Triton interpreter."""
+    print("no CUDA device: correctness check in the Triton interpreter only; timings need a GPU")
+    torch.manual_seed(0)
+    m, n, k, r = 70, 45, 81, 16
+    q, scale = kernels.quantize_int8(torch.randn(n, k))
+    base = [torch.randn(m, k), torch.randn(r, k) / k ** 0.5, torch.randn(n, r) / r ** 0.5]
+    dy = torch.randn(m, n)
+
+    def run(fn):
+        x, a, b = (t.clone().requires_grad_() for t in base)
+        y = fn(x, q, scale, a, b, LORA_SCALE)
+        y.backward(dy)
+        return y.detach(), x.grad, a.grad, b.grad
+
+    ref = run(frozen_lora.frozen_lora_linear_reference)
+    ok = True
+    for path in frozen_lora.PATHS:
+        out = run(lambda *args: frozen_lora.frozen_lora_linear_triton(*args, path=path))
+        errs = [((u - v).abs().max() / v.abs().max()).item() for u, v in zip(out, ref)]
+        good = all(e < 1e-4 for e in errs)
+        ok &= good
+        print(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  dB {errs[3]:.1e}"
+              f"  {'ok' if good else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="M=8192, r=16 only")
+    parser.add_argument("--out", help="also write the results as markdown to this file")
+    args = parser.parse_args()
+    if not HAS_CUDA:
+        return run_cpu_check()
+    run_gpu(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""y = x @ (q * scale)^T + s * (x @ A^T) @ B^T  with q frozen int8, differentiable in x, A, B.
+
+The reference never builds the dequantised weight: the row scale is applied to the output columns
+in the forward ((x @ q^T) * scale) and to dY in the backward (dX = (dY * scale) @ q), the same
+placement the fused kernel uses. The only weight-sized temporary is q cast to the compute dtype,
+which lives for one matmul and is never saved for backward.
+
+The Triton path follows shared/research/kernel_anchors.md §9. Per layer and step:
+
+  F1 _lora_down_kernel  S   = x·Aᵀ                               [M, r]  memory-bound, saved for B1
+  F2 _fwd_kernel        y   = (x·Qᵀ)·diag(scale) + s·S·Bᵀ        [M, N]  main GEMM (can recompute S)
+  B1 _lora_bwd_kernel   dYB = dY·B,  dB = s·dYᵀ·S,  dA = s·dYBᵀ·x        one pass over dY and over x
+  B3 _dx_kernel         dX  = (dY·diag(scale))·Q + s·dYB·A       [M, K]  main GEMM
+
+Q is converted int8 -> compute dtype tile by tile inside the K-loop (exact, |q| <= 127); the
+dequantised weight is never written to memory. All accumulation is fp32. choose_path() picks per
+shape between that fused path and a hybrid one (dequantise into a reused scratch buffer, cuBLAS for
+the two main GEMMs, F1/B1 for the low-rank side).
+"""
+import os
+
+import torch
+
+import kernels
+from kernels.quant import dequantize_int8_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton wheel (macOS, Windows): keep the module importable for the reference
+    from types import SimpleNamespace
+    triton = SimpleNamespace(jit=lambda fn: fn, autotune=lambda *args, **kw: (lambda fn: fn),
+                             Config=lambda *args, **kw: None)
+    tl = SimpleNamespace(constexpr=None)
+
+
+class FrozenLoRALinearReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, q, scale, lora_a, lora_b, lora_scale):
+        # x [M, K] in the compute dtype; q [N, K] int8; scale [N] fp32; A [r, K]; B [N, r]
+        dt = x.dtype
+        a, b = lora_a.to(dt), lora_b.to(dt)
+        xa = x @ a.t()                                          # [M, r]
+        y = (x @ q.to(dt).t()) * scale.to(dt) + lora_scale * (xa @ b.t())   # [M, N]
+        ctx.save_for_backward(x, q, scale, lora_a, lora_b, xa)
+        ctx.lora_scale = lora_scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, q, scale, lora_a, lora_b, xa = ctx.saved_tensors
+        s, dt = ctx.lora_scale, x.dtype
+        a, b = lora_a.to(dt), lora_b.to(dt)
+        dy = dy.to(dt)
+        dyb = dy @ b                                            # [M, r]
+        dx = (dy * scale.to(dt)) @ q.to(dt) + s * (dyb @ a)     # [M, K]
+        da = (s * dyb.t() @ x).to(lora_a.dtype)                 # [r, K]
+        db = (s * dy.t() @ xa).to(lora_b.dtype)                 # [N, r]
+        return dx, None, None, da, db, None
+
+
+def frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale):
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = FrozenLoRALinearReference.apply(x.reshape(-1, k), q, scale, lora_a, lora_b, float(lora_scale))
+    return y.reshape(*lead, q.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+#
+# Conventions: tensors are row-major with explicit strides; the LoRA rank r lives in one tile of
+# R_PAD = max(16, next_pow2(r)) columns (tl.dot needs >= 16) and is masked to r. Row offsets that
+# multiply an activation stride are int64, since M·K passes 2**31 at long contexts.
+
+# Under the interpreter (or without CUDA) the autotuner cannot benchmark, so only the first config
+# of each list is used: keep it small enough for quick interpreted tests and valid on any GPU.
+_ONE_CONFIG = kernels.INTERPRET or not torch.cuda.is_available()
+
+
+def _configs(names, rows):
+    # each row: the tile sizes named in `names`, then num_stages, num_warps
+    configs = [triton.Config(dict(zip(names, row[:-2])), num_stages=row[-2], num_warps=row[-1])
+               for row in rows]
+    return configs[:1] if _ONE_CONFIG else configs
+
+
+# Autotune keys name (M, N, K, R) and the mode flags; Triton adds every tensor argument's dtype
+# to the key itself. Configs that do not fit (shared memory, registers) are skipped by the tuner.
+# main GEMMs (F2, B3): the Triton-tutorial / LoRAFusion Hopper set plus a small-M tile (§9.3)
+_MAIN_ROWS = [
+    (64, 64, 64, 8, 3, 4),
+    (128, 128, 64, 8, 4, 4),
+    (128, 256, 64, 8, 3, 8),
+    (256, 128, 64, 8, 3, 8),
+    (128, 128, 128, 8, 3, 8),
+    (64, 256, 64, 8, 4, 4),
+    (256, 64, 64, 8, 4, 4),
+]
+# F2: output tile BLOCK_M x BLOCK_N, K-step BLOCK_K. B3: output tile BLOCK_M x BLOCK_K, N-step BLOCK_N.
+_FWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), _MAIN_ROWS)
+_DX_CONFIGS = _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _MAIN_ROWS)
+# memory-bound side kernels: large row blocks keep r-wide partial products in registers
+_DOWN_CONFIGS = _configs(("BLOCK_M", "BLOCK_K"), [
+    (64, 64, 3, 4), (128, 128, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4), (32, 128, 4, 4)])
+_BWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), [
+    (64, 64, 64, 3, 4), (128, 128, 128, 4, 8), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4),
+    (32, 128, 128, 4, 4)])
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # GROUP_M row tiles sweep the column tiles together, so each weight tile is re-read from L2
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_m
+    pid_n = (pid % tiles_per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.autotune(configs=_DOWN_CONFIGS, key=["M", "K", "R"])
+@triton.jit
+def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, K, R, stride_xm, stride_xk, stride_ar, stride_ak,
+                      PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # F1: S[rows, :] = x[rows, :] · Aᵀ for one block of rows
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, r_ok = offs_m < M, offs_r < R
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk   # [BM, BK]
+    at_ptrs = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak               # [BK, R_PAD]
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(at_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(x, at, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        at_ptrs += BLOCK_K * stride_ak
+    # stored in the compute dtype, as the reference keeps x @ A^T
+    s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * R + offs_r[None, :]
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["M", "N", "K", "R", "RECOMPUTE_S"])
+@triton.jit
+def _fwd_kernel(x_ptr, q_ptr, scale_ptr, a_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, K, R,
+                stride_xm, stride_xk, stride_ar, stride_ak, stride_bn, stride_br,
+                RECOMPUTE_S: tl.constexpr, PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    # F2: one BLOCK_M x BLOCK_N tile of y. With RECOMPUTE_S the tile also computes S = x·Aᵀ for its
+    # rows in the same K-loop (r/BLOCK_N extra MMA work) instead of reading S written by F1.
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # wrap the ragged edge instead of masking it: loads stay unmasked in M and N, and the wrapped
+    # duplicates are dropped by the masked stores (Triton matmul tutorial)
+    offs_m = tile_m % M
+    offs_n = tile_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    dt = x_ptr.dtype.element_ty
+    # The tile is computed transposed, yᵀ = Q·xᵀ, so that the converted int8 tile is the MMA's
+    # left operand, which Hopper's wgmma reads from registers: it never goes back to shared memory.
+    q_ptrs = q_ptr + offs_n[:, None] * K + offs_k[None, :]                                     # [BN, BK]
+    xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk   # [BK, BM]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                                       # yᵀ
+    if RECOMPUTE_S:
+        a_ptrs = a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak             # [R_PAD, BK]
+        st = tl.zeros((R_PAD, BLOCK_M), dtype=tl.float32)                                      # Sᵀ
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        q = tl.load(q_ptrs, mask=k_ok[None, :], other=0)
+        xt = tl.load(xt_ptrs, mask=k_ok[:, None], other=0.0)
+        # int8 -> compute dtype is exact; the per-row scale waits for the epilogue
+        acc = tl.dot(q.to(dt), xt, acc, input_precision=PRECISION)
+        if RECOMPUTE_S:
+            a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            st = tl.dot(a, xt, st, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+        q_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K * stride_xk
+
+    m_ok = tile_m < M
+    s_ptrs = s_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None]                        # [R_PAD, BM]
+    if RECOMPUTE_S:
+        st = st.to(dt)  # rounded like F1's stored S, so both variants feed B1 the same values
+        if pid_n == 0:  # every column tile recomputed the same S; the first keeps it for the backward
+            tl.store(s_ptrs, st, mask=r_ok[:, None] & m_ok[None, :])
+    else:
+        st = tl.load(s_ptrs, mask=r_ok[:, None], other=0.0)
+    scale = tl.load(scale_ptr + offs_n)                                                        # [BN] fp32
+    bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                 mask=r_ok[None, :], other=0.0)                                                # [BN, R_PAD]
+    acc = acc * scale[:, None] + lora_scale * tl.dot(bt, st, input_precision=PRECISION)
+    y_ptrs = y_ptr + tile_m[None, :].to(tl.int64) * N + tile_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(tile_n[:, None] < N) & m_ok[None, :])
+
+
+@triton.jit
+def _accumulate(ptrs, value, mask, DETERMINISTIC: tl.constexpr):
+    if DETERMINISTIC:
+        # the slice belongs to this program alone: a plain read-modify-write, always in the same order
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
+    else:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
+@triton.autotune(configs=_BWD_CONFIGS, key=["M", "N", "K", "R", "DETERMINISTIC"],
+                 reset_to_zero=["da_ptr", "db_ptr"])
+@triton.jit
+def _lora_bwd_kernel(dy_ptr, x_ptr, b_ptr, s_ptr, dyb_ptr, da_ptr, db_ptr, M, N, K, R,
+                     stride_dym, stride_dyn, stride_xm, stride_xk, stride_bn, stride_br,
+                     DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # B1 + B2: a program owns whole row blocks of dY, so dYB = dY·B is complete in registers after
+    # one sweep over N and is multiplied into x at once: dY and x are each read once. dB and dA sum
+    # over all rows, across programs: atomically into one fp32 buffer, or (DETERMINISTIC) into this
+    # program's own slice [pid] of a partial buffer that the launcher sums in a fixed order.
+    pid = tl.program_id(0)
+    part = pid if DETERMINISTIC else 0
+    db_ptr += part * N * R                                                    # db: [slices, N, R] fp32
+    da_ptr += part * R * K                                                    # da: [slices, R, K] fp32
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    for mb in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        if DETERMINISTIC:  # make the previous block's partial-sum stores visible to every thread
+            tl.debug_barrier()
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        rows = offs_m[:, None].to(tl.int64)
+        s = tl.load(s_ptr + rows * R + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        dyb = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            dy = tl.load(dy_ptr + rows * stride_dym + offs_n[None, :] * stride_dyn,
+                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)                  # [BM, BN]
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                        mask=n_ok[:, None] & r_ok[None, :], other=0.0)                   # [BN, R_PAD]
+            dyb = tl.dot(dy, b, dyb, input_precision=PRECISION)
+            db = tl.dot(tl.trans(dy), s, input_precision=PRECISION)                      # [BN, R_PAD]
+            _accumulate(db_ptr + offs_n[:, None] * R + offs_r[None, :], db,
+                        n_ok[:, None] & r_ok[None, :], DETERMINISTIC)
+        # rounded to the compute dtype, as in the reference; B3 reads it back for dX's low-rank term
+        dyb = dyb.to(dyb_ptr.dtype.element_ty)
+        tl.store(dyb_ptr + rows * R + offs_r[None, :], dyb, mask=m_ok[:, None] & r_ok[None, :])
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # [BM, BK]
+            da = tl.dot(tl.trans(dyb), x, input_precision=PRECISION)                     # [R_PAD, BK]
+            _accumulate(da_ptr + offs_r[:, None] * K + offs_k[None, :], da,
+                        r_ok[:, None] & k_ok[None, :], DETERMINISTIC)
+
+
+@triton.autotune(configs=_DX_CONFIGS, key=["M", "N", "K", "R"])
+@triton.jit
+def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, N, K, R,
+               stride_dym, stride_dyn, stride_ar, stride_ak,
+               PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    # B3: one BLOCK_M x BLOCK_K tile of dX, reducing over N
+    pid_m, pid_k = _grouped_tile(tl.program_id(0), M, K, BLOCK_M, BLOCK_K, GROUP_M)
+    tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tile_m % M
+    offs_k = tile_k % K
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    dt = dy_ptr.dtype.element_ty
+    # transposed again, dXᵀ = Qᵀ·(diag(scale)·dYᵀ), to keep the converted int8 tile on the left
+    qt_ptrs = q_ptr + offs_n[None, :] * K + offs_k[:, None]                                      # [BK, BN]
+    dyt_ptrs = dy_ptr + offs_m[None, :].to(tl.int64) * stride_dym + offs_n[:, None] * stride_dyn  # [BN, BM]
+    acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)                                         # dXᵀ
+    for n0 in range(0, N, BLOCK_N):
+        n_ok = offs_n < N - n0
+        qt = tl.load(qt_ptrs, mask=n_ok[None, :], other=0)
+        dyt = tl.load(dyt_ptrs, mask=n_ok[:, None], other=0.0)
+        scale = tl.load(scale_ptr + n0 + offs_n, mask=n_ok, other=0.0)
+        # the sum runs over N, so the row scale cannot wait for an epilogue: it scales the dY tile
+        dyt = (dyt.to(tl.float32) * scale[:, None]).to(dt)
+        acc = tl.dot(qt.to(dt), dyt, acc, input_precision=PRECISION)
+        qt_ptrs += BLOCK_N * K
+        dyt_ptrs += BLOCK_N * stride_dyn
+
+    at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                 mask=r_ok[None, :], other=0.0)                                                  # [BK, R_PAD]
+    dybt = tl.load(dyb_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None],
+                   mask=r_ok[:, None], other=0.0)                                                # [R_PAD, BM]
+    acc += lora_scale * tl.dot(at, dybt, input_precision=PRECISION)
+    dx_ptrs = dx_ptr + tile_m[None, :].to(tl.int64) * K + tile_k[:, None]
+    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(tile_k[:, None] < K) & (tile_m[None, :] < M))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+def _empty(shape, dtype, device):
+    # every element of a kernel's output must be written by the kernel; tests swap this for a NaN
+    # fill to check that
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _r_pad(r):
+    return max(16, triton.next_power_of_2(r))
+
+
+def _dot_precision(dtype):
+    # fp32 activations follow torch's own matmul setting: TF32 only where torch would use it too
+    if dtype == torch.float32 and (kernels.INTERPRET or not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"  # Triton's default; fp16/bf16 operands ignore it
+
+
+def _deterministic():
+    return os.environ.get("STEP_DETERMINISTIC") == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+def _lora_down(x, a):
+    m, k = x.shape
+    r = a.shape[0]
+    s = _empty((m, r), x.dtype, x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
+    _lora_down_kernel[grid](x, a, s, m, k, r, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+                            PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
+    return s
+
+
+def _fused_forward(x, q, scale, a, b, lora_scale, recompute_s):
+    m, k = x.shape
+    n, r = q.shape[0], a.shape[0]
+    s = _empty((m, r), x.dtype, x.device) if recompute_s else _lora_down(x, a)
+    y = _empty((m, n), x.dtype, x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _fwd_kernel[grid](x, q, scale, a, b, s, y, lora_scale, m, n, k, r,
+                      x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                      RECOMPUTE_S=recompute_s, PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
+    return y, s
+
+
+# The deterministic mode's partial buffers take slices·(N+K)·r·4 bytes: cap them
+DETERMINISTIC_PARTIAL_BYTES = 64 << 20
+
+
+def _lora_backward(dy, x, b, s, deterministic):
+    """-> dYB [M, r] (compute dtype), dA [r, K] and dB [N, r] (fp32, not yet times lora_scale)."""
+    m, k = x.shape
+    n, r = b.shape
+    if deterministic:
+        sms = torch.cuda.get_device_properties(dy.device).multi_processor_count if dy.is_cuda else 2
+        slices = max(1, min(sms, DETERMINISTIC_PARTIAL_BYTES // ((n + k) * r * 4)))
+        programs = slices
+    else:
+        slices, programs = 1, m  # one program per row block, all adding into slice 0
+    dyb = _empty((m, r), dy.dtype, dy.device)
+    da = torch.zeros((slices, r, k), dtype=torch.float32, device=dy.device)
+    db = torch.zeros((slices, n, r), dtype=torch.float32, device=dy.device)
+    grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"])),)  # noqa: E731
+    _lora_bwd_kernel[grid](dy, x, b, s, dyb, da, db, m, n, k, r,
+                           dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                           b.stride(0), b.stride(1),
+                           DETERMINISTIC=deterministic, PRECISION=_dot_precision(dy.dtype),
+                           R_PAD=_r_pad(r))
+    # torch.sum over the slice dimension is a fixed-order reduction (no atomics)
+    return dyb, da.sum(0), db.sum(0)
+
+
+def _fused_dx(dy, q, scale, a, dyb, lora_scale):
+    m, n = dy.shape
+    r, k = a.shape
+    dx = _empty((m, k), dy.dtype, dy.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)  # noqa: E731
+    _dx_kernel[grid](dy, q, scale, a, dyb, dx, lora_scale, m, n, k, r,
+                     dy.stride(0), dy.stride(1), a.stride(0), a.stride(1),
+                     PRECISION=_dot_precision(dy.dtype), R_PAD=_r_pad(r))
+    return dx
+
+
+# One flat buffer per (device, dtype) holds the dequantised weight of whichever layer runs now
+# (Unsloth's WEIGHT_BUFFERS): transient memory is one layer's weight, never one per layer. Safe
+# because every user is stream-ordered: the next dequantise waits for the matmul reading it.
+_SCRATCH = {}
+
+
+def _dequantize_to_scratch(q, scale, dtype):
+    key = (q.device, dtype)
+    if key not in _SCRATCH or _SCRATCH[key].numel() < q.numel():
+        _SCRATCH[key] = _empty((q.numel(),), dtype, q.device)
+    w = _SCRATCH[key][: q.numel()].view(q.shape)
+    return dequantize_int8_triton(q, scale, dtype, out=w)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which path runs (kernel_anchors.md §9.4). PLACEHOLDER THRESHOLDS from the §8 cost model; they
+# need measuring with `python bench/kernels.py` on each GPU and updating here.
+#
+#   tokens M  \  weight N·K      < HYBRID_MIN_WEIGHT       >= HYBRID_MIN_WEIGHT
+#   M <  HYBRID_MIN_TOKENS       fused                     fused
+#   M >= HYBRID_MIN_TOKENS       fused                     hybrid
+#
+# Dequantising to scratch costs ~1.5·(F/BW)/M of the GEMM (F/BW ≈ 165 FLOP/B on an H200: 12% at
+# M=2k, 3% at 8k), while public Triton int8 x bf16 main loops reach 0.4-0.8x of cuBLAS; so large
+# M goes hybrid unless bench shows the fused kernel >= 0.95x cuBLAS. Small weights stay fused:
+# there the extra launches (dequantise, addmm) cost more than the GEMM efficiency gains.
+# Within "fused", S = x·Aᵀ is recomputed in every column tile ("fused-recompute", no F1 launch)
+# iff r < BLOCK_N·F/(N·BW), i.e. r·N <= RECOMPUTE_S_MAX_RN with BLOCK_N = 128 on an H200.
+HYBRID_MIN_TOKENS = 2048
+HYBRID_MIN_WEIGHT = 2048 * 2048
+RECOMPUTE_S_MAX_RN = 128 * 165
+PATHS = ("fused", "fused-recompute", "hybrid")
+
+
+def choose_path(m, n, k, r):
+    """The path for x [m, k] through q [n, k] at rank r; STEP_LORA_PATH=fused|fused-recompute|hybrid
+    overrides the rule (default auto)."""
+    path = os.environ.get("STEP_LORA_PATH", "auto")
+    if path != "auto":
+        if path not in PATHS:
+            raise ValueError(f"STEP_LORA_PATH={path!r} is not one of auto, {', '.join(PATHS)}")
+        return path
+    if m >= HYBRID_MIN_TOKENS and n * k >= HYBRID_MIN_WEIGHT:
+        return "hybrid"
+    return fused_variant(n, r)
+
+
+def fused_variant(n, r):
+    """The fused path's way to get S at output width n and rank r (rule 2 above)."""
+    return "fused-recompute" if r * n <= RECOMPUTE_S_MAX_RN else "fused"
+
+
+class FrozenLoRALinearTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, q, scale, lora_a, lora_b, lora_scale, path):
+        # x [M, K] compute dtype, any strides; q [N, K] int8 contiguous; scale [N] fp32; A [r, K]; B [N, r]
+        dt = x.dtype
+        a, b = lora_a.to(dt), lora_b.to(dt)
+        if path == "hybrid":
+            s = _lora_down(x, a)                                            # [M, r]
+            y = torch.mm(x, _dequantize_to_scratch(q, scale, dt).t())       # [M, N]
+            y.addmm_(s, b.t(), alpha=lora_scale)
+        else:
+            y, s = _fused_forward(x, q, scale, a, b, lora_scale, recompute_s=path == "fused-recompute")
+        # saved: x and the small S only; the dequantised weight is rebuilt in the backward if needed
+        ctx.save_for_backward(x, q, scale, lora_a, lora_b, s)
+        ctx.lora_scale, ctx.path = lora_scale, path
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, q, scale, lora_a, lora_b, s = ctx.saved_tensors
+        dt, lora_scale = x.dtype, ctx.lora_scale
+        a, b = lora_a.to(dt), lora_b.to(dt)
+        dy = dy.to(dt)
+        dyb, da, db = _lora_backward(dy, x, b, s, _deterministic())
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.path == "hybrid":
+                dx = torch.mm(dy, _dequantize_to_scratch(q, scale, dt))     # [M, K]
+                dx.addmm_(dyb, a, alpha=lora_scale)
+            else:
+                dx = _fused_dx(dy, q, scale, a, dyb, lora_scale)
+        da = (lora_scale * da).to(lora_a.dtype)                             # [r, K]
+        db = (lora_scale * db).to(lora_b.dtype)                             # [N, r]
+        return dx, None, None, da, db, None, None
+
+
+def frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale, path=None):
+    lead, k = x.shape[:-1], x.shape[-1]
+    n, r = q.shape[0], lora_a.shape[0]
+    # the kernels read raw memory, so a wrong shape would be silent garbage rather than an error
+    assert q.shape == (n, k) and scale.shape == (n,), f"q {tuple(q.shape)}, scale {tuple(scale.shape)}"
+    assert lora_a.shape == (r, k) and lora_b.shape == (n, r), \
+        f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit r={r}, N={n}, K={k}"
+    x2 = x.reshape(-1, k)
+    path = path or choose_path(x2.shape[0], n, k, r)
+    y = FrozenLoRALinearTriton.apply(x2, q.contiguous(), scale.float().contiguous(), lora_a, lora_b,
+                                     float(lora_scale), path)
+    return y.reshape(*lead, n)
+
+
+def _compute_dtype(x):
+    # autocast does not reach inside an autograd.Function, so take its dtype here, explicitly
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
+    """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]) plus LoRA
+    A [r, K], B [N, r] scaled by lora_scale. Gradients flow to x, A and B, never to q."""
+    assert x.shape[-1] == q.shape[1], f"x has K={x.shape[-1]} but the weight has K={q.shape[1]}"
+    assert q.dtype == torch.int8, f"frozen weight must be int8, got {q.dtype}"
+    x = x.to(_compute_dtype(x))
+    with torch.autocast(x.device.type, enabled=False):
+        if kernels.use_triton(x):
+            return frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale)
+        return frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale)
