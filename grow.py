@@ -185,9 +185,10 @@ def grow(model, n_new, init="mean", where="upper", seed=0):
     return new_idx
 
 
-def next_stage(model, n_new, init="mean", where="upper", seed=0):
+def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embeddings=True):
     """STEP's stage transition: merge the adapters of already-frozen layers into their int8 weights
-    (and restart them), grow n_new layers, freeze every layer that is not new."""
+    (and restart them), grow n_new layers, freeze every layer that is not new (and, unless
+    train_embeddings, the embeddings, final norm and head)."""
     for i in model.config.frozen_layers:
         model.layers[i].merge_adapters()
     new_idx = grow(model, n_new, init, where, seed)
@@ -196,6 +197,8 @@ def next_stage(model, n_new, init="mean", where="upper", seed=0):
         if i not in new_idx and not block.frozen:
             block.freeze(cfg.lora_rank, cfg.lora_alpha)
     cfg.frozen_layers = tuple(i for i in range(cfg.n_layer) if i not in new_idx)
+    if not train_embeddings:
+        model.freeze_embeddings()
     return new_idx
 
 

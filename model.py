@@ -35,6 +35,7 @@ class GPTConfig:
     lora_rank: int = 16             # adapters on frozen layers: rank r and alpha (scale alpha/r)
     lora_alpha: float = 32.0
     frozen_layers: tuple = field(default_factory=tuple)  # indices of int8 + LoRA layers
+    train_embeddings: bool = True   # False: embeddings, final norm and head are frozen too
 
     def __post_init__(self):
         self.frozen_layers = tuple(sorted(int(i) for i in self.frozen_layers))
@@ -218,6 +219,13 @@ class GPT(nn.Module):
                 nn.init.normal_(block.linear(name).weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
         for i in cfg.frozen_layers:
             self.layers[i].freeze(cfg.lora_rank, cfg.lora_alpha)
+        if not cfg.train_embeddings:
+            self.freeze_embeddings()
+
+    def freeze_embeddings(self):
+        self.config.train_embeddings = False
+        for p in (self.wte.weight, self.norm.weight, self.lm_head.weight):
+            p.requires_grad_(False)
 
     @staticmethod
     def _init_weights(m):

@@ -496,7 +496,8 @@ def main(argv):
         stage = max(i for i, s in enumerate(stage_start) if s <= min(it, total_iters - 1))
         if raw.config.n_layer < depth[stage]:   # a stage boundary: grow, freeze, rebuild the optimizer
             n_new = depth[stage] - raw.config.n_layer
-            grow.next_stage(raw, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage)
+            grow.next_stage(raw, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
+                            train_embeddings=cfg.train_embeddings)
             raw.to(device)
             rebuild(opt)
             tr, fr = raw.num_params()
@@ -511,7 +512,7 @@ def main(argv):
             log.print(f"== ReLoRA restart at step {it}: adapters merged into int8 weights and re-initialised")
         if flops_per_iter is None:
             flops_per_iter = raw.estimate_flops() * tokens_per_iter
-            plan_bytes = grow.state_bytes(raw.config, train_embeddings=cfg.train_embeddings)
+            plan_bytes = grow.state_bytes(raw.config, train_embeddings=raw.config.train_embeddings)
 
         last = it == total_iters or it == cfg.stop_at > 0
         if (it % cfg.eval_interval == 0 or last) and it != resumed_at:

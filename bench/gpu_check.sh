@@ -4,6 +4,9 @@
 #
 #     bash bench/gpu_check.sh            # writes bench/gpu_check.log and bench/kernels_gpu.md
 #
+# With the device tool: run it with carry=["data/shakespeare"] (prepared here with
+# `python data/prepare.py`), since the GPU machine cannot download the text.
+#
 # Each step has its own time limit and a failing step does not stop the later ones; the exit
 # status is non-zero if any step failed.
 set -uo pipefail
@@ -34,12 +37,14 @@ python -c "import sys, torch, triton; print('python', sys.version.split()[0], '|
 # bf16 and autotuned cases, then the rest of the kernel tests compiled for real (no interpreter)
 step "pytest -m gpu" 120 python -m pytest -q -m gpu tests/
 step "kernel tests on CUDA" 60 env STEP_KERNELS=triton python -m pytest -q -m "not gpu" tests/test_kernels.py
-step "bench --quick" 120 python bench/kernels.py --quick --out bench/kernels_gpu.md
-# best effort: the data is not in git (carry data/shakespeare) and train.py evolves separately
+step "bench --quick" 100 python bench/kernels.py --quick --out bench/kernels_gpu.md
+# STEP vs vanilla at the small scale, with torch.compile as users run it (bf16 autocast, Triton
+# kernels in the frozen layers). The device has no internet: carry data/shakespeare with the tree.
 if [ -f data/shakespeare/train.bin ]; then
-    step "train step_small" 180 python train.py config/step_small.py --compile=False --out_dir=out-gpucheck
+    step "train step_small" 100 python train.py config/step_small.py --out_dir=out-gpucheck-step
+    step "train vanilla_small" 100 python train.py config/vanilla_small.py --out_dir=out-gpucheck-vanilla
 else
-    echo "=== train step_small: skipped, data/shakespeare/train.bin is missing"
+    echo "=== train: skipped, data/shakespeare/train.bin is missing (prepare it here, then carry it)"
 fi
 
 echo

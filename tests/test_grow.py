@@ -78,15 +78,23 @@ def test_budget_picks_smallest_k_or_says_none_fits():
         grow.smallest_plan(cfg, 12, 1000)
 
 
-def test_measured_state_bytes_equal_the_plan():
+@pytest.mark.parametrize("train_embeddings", [True, False])
+def test_measured_state_bytes_equal_the_plan(train_embeddings):
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=2))
-    grow.next_stage(model, 2)
+    grow.next_stage(model, 2, train_embeddings=train_embeddings)
+    assert model.wte.weight.requires_grad == train_embeddings == model.lm_head.weight.requires_grad
     opt = train.build_optimizer(model, train.TrainConfig(), torch.device("cpu"))
     idx = torch.randint(0, 128, (2, 16))
     model(idx, idx)[1].backward()
     opt.step()
-    assert grow.measured_state_bytes(model, opt) == grow.state_bytes(model.config)
+    planned = grow.state_bytes(model.config, train_embeddings=train_embeddings)
+    assert grow.measured_state_bytes(model, opt) == planned
+    assert planned == grow.stage_memory(model.config, [2, 2], train_embeddings=train_embeddings)[1]
+    # the config alone rebuilds the same trainable set (resume)
+    rebuilt = GPT(model.config)
+    assert [n for n, p in rebuilt.named_parameters() if p.requires_grad] == \
+        [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 # -- growth operators ----------------------------------------------------------------------------

@@ -87,12 +87,14 @@ def test_loss_falls_on_a_tiny_corpus(tmp_path):
     assert all(m["state_bytes"] == m["plan_bytes"] for m in steps)
 
 
-@pytest.mark.parametrize("stages, stop", [("[2]", 7), ("[1, 1]", 7), ("[1, 1]", 12), ("[1, 1, 1]", 13)])
-def test_resume_is_bitwise_exact(tmp_path, stages, stop):
+@pytest.mark.parametrize("stages, stop, extra", [("[2]", 7, ""), ("[1, 1]", 7, ""), ("[1, 1]", 12, ""),
+                                                 ("[1, 1, 1]", 13, ""), ("[1, 1]", 7, "--train_embeddings=False")])
+def test_resume_is_bitwise_exact(tmp_path, stages, stop, extra):
     """N straight steps == k steps + resume + N-k steps, bitwise on CPU, mid-stage and across a
-    growth boundary (stages of 10 iters; 7 and 13 stop mid-stage, 12 right after a growth)."""
+    growth boundary (stages of 10 iters; 7 and 13 stop mid-stage, 12 right after a growth), with
+    ReLoRA restarts inside the later stages."""
     common = [f"--stage_layers={stages}", f"--max_iters={10 * len(eval(stages))}", "--eval_interval=5",
-              "--relora_every=4"]
+              "--relora_every=4"] + ([extra] if extra else [])
     data = write_dataset(tmp_path / "data")
     straight, split = tmp_path / "a", tmp_path / "b"
     train.main(args(straight, *common, data=data))
