@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grow
+import kernels
 from model import GPT, GPTConfig, UserError, peak_flops
 
 
@@ -451,7 +452,8 @@ def main(argv):
     rows = [("device", f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"),
             ("dtype", dtype + (" (bf16 autocast, fp32 master weights)" if dtype == "bfloat16" else "")),
             ("compile", f"{use_compile}" + ("" if use_compile or not cfg.compile else " (off: CPU)")),
-            ("kernels", os.environ.get("STEP_KERNELS", "auto")),
+            ("kernels", ("triton" if kernels.use_triton(torch.empty(0, device=device)) else "pytorch reference")
+             + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
             ("world size", world), ("tokens/iter", f"{tokens_per_iter:,}"),
             ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, vocab {meta['vocab_size']} (model {vocab_size})"),
             ("stages", " + ".join(map(str, stage_layers)) + f" layers, iters {stage_iters}"),
