@@ -13,13 +13,12 @@ norms and adapters.
 import argparse
 import copy
 import itertools
-import sys
 from dataclasses import asdict
 
 import torch
 import torch.nn as nn
 
-from model import LINEARS, RESIDUAL_OUT, Block, UserError, dense_weight
+from model import LINEARS, RESIDUAL_OUT, Block, UserError, dense_weight, run_cli
 
 INITS = ("mean", "copy", "zero", "stack")
 PLACEMENTS = ("upper", "lower", "interleave", "random")
@@ -269,8 +268,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

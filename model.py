@@ -8,7 +8,8 @@ and its norms stop learning. `GPTConfig.frozen_layers` says which, so a checkpoi
 rebuilds the exact module tree.
 """
 import math
-from dataclasses import asdict, dataclass, field, fields
+import sys
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,15 @@ from kernels import dequantize_int8, frozen_lora_linear, quantize_int8
 
 class UserError(Exception):
     """Bad input from the user (config, data, checkpoint): printed as one line, no traceback."""
+
+
+def run_cli(main):
+    """main(argv) for a script: a UserError ends it with one line on stderr and exit status 2."""
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass
@@ -304,7 +314,3 @@ def peak_flops(device):
         if key in name:
             return value
     return None
-
-
-def model_args(model):
-    return asdict(model.config)

@@ -3,11 +3,10 @@
   python sample.py --ckpt out-step-small/ckpt.pt --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 --top_k 200 --seed 1
 """
 import argparse
-import sys
 
 import torch
 
-from model import UserError
+from model import UserError, run_cli
 
 
 def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1):
@@ -47,8 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -14,10 +14,9 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grow
 import kernels
-from model import GPT, GPTConfig, UserError, peak_flops
+from model import GPT, GPTConfig, UserError, peak_flops, run_cli
 
 
 @dataclass
@@ -374,7 +373,7 @@ def setup_device(cfg):
     return device, rank, world
 
 
-def main(argv):
+def run(argv):
     cfg = load_config(argv)
     device, rank, world = setup_device(cfg)
     master = rank == 0
@@ -594,12 +593,13 @@ RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_inte
              "out_dir", "stop_at"}
 
 
-if __name__ == "__main__":
+def main(argv):
     try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        run(argv)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_cli(main)
