@@ -494,6 +494,11 @@ def _compute_dtype(x):
     return x.dtype
 
 
+# torch.compile runs this call eagerly (a graph break per frozen linear) rather than tracing into
+# the autotuned launchers, whose Python-side dispatch it has not been checked against on a GPU.
+# Registering the op with torch.library.custom_op is the way to keep it in the graph; do it once
+# bench/gpu_check.sh has measured what the breaks cost.
+@torch.compiler.disable
 def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
     """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]) plus LoRA
     A [r, K], B [N, r] scaled by lora_scale. Gradients flow to x, A and B, never to q."""
