@@ -404,8 +404,9 @@ def run(argv):
     total_iters = sum(stage_iters)
     stage_start = [sum(stage_iters[:i]) for i in range(len(stage_iters))]
     depth = [sum(stage_layers[:i + 1]) for i in range(len(stage_layers))]
-    restarts = stage_start[1:] + [s + k for s, n in zip(stage_start[1:], stage_iters[1:])
-                                  for k in range(cfg.relora_every, n, cfg.relora_every or n)]
+    restarts = stage_start[1:]   # where the learning rate re-warms: stage starts and ReLoRA restarts
+    if cfg.relora_every:
+        restarts += [s + k for s, n in zip(stage_start[1:], stage_iters[1:]) for k in range(cfg.relora_every, n, cfg.relora_every)]
 
     # model: fresh, resumed (everything) or from a checkpoint's weights (fresh optimizer and schedule)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -464,17 +465,11 @@ def run(argv):
     if cfg.dry_run:
         return
 
-    raw = model
-    model = torch.compile(raw) if use_compile else raw
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    def wrap(m):   # what the loop calls; `raw` stays the plain module for growth, saving, sampling
+        m = torch.compile(m) if use_compile else m
+        return DDP(m, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else m
 
-    def rebuild(previous):
-        nonlocal model, opt
-        opt = build_optimizer(raw, cfg, device, previous)
-        model = torch.compile(raw) if use_compile else raw
-        if world > 1:
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    raw, model = model, wrap(model)
 
     def checkpoint(step):
         if not master:
@@ -500,7 +495,8 @@ def run(argv):
             grow.next_stage(raw, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
                             train_embeddings=cfg.train_embeddings)
             raw.to(device)
-            rebuild(opt)
+            opt = build_optimizer(raw, cfg, device, previous=opt)
+            model = wrap(raw)   # DDP and compile must see the new parameter set
             tr, fr = raw.num_params()
             log.print(f"== stage {stage + 1}/{len(depth)}: grew {n_new} layers ({cfg.grow_init}, {cfg.grow_where}) "
                       f"to {raw.config.n_layer}; frozen layers {list(raw.config.frozen_layers)}; "
