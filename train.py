@@ -180,7 +180,7 @@ def resolve_stages(cfg, vocab_size, tokens_per_iter):
 # ----------------------------------------------------------------------------------------------
 # data
 
-def load_data(data_dir, block_size, vocab_size=None):
+def load_data(data_dir, block_size):
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"no prepared data in {data_dir} (meta.json missing); run: python data/prepare.py --out {data_dir}")
@@ -197,9 +197,8 @@ def load_data(data_dir, block_size, vocab_size=None):
                             f"lower block_size or prepare more text")
         # a full scan is cheap up to ~1e9 tokens; beyond that trust the vocabulary in meta.json
         top = int(max(arr[i:i + 2**24].max() for i in range(0, len(arr), 2**24))) if len(arr) < 2**30 else meta["vocab_size"] - 1
-        limit = vocab_size or meta["vocab_size"]
-        if top >= limit:
-            raise UserError(f"{path} holds token id {top} >= vocab size {limit}; the data was prepared "
+        if top >= meta["vocab_size"]:
+            raise UserError(f"{path} holds token id {top} >= vocab size {meta['vocab_size']}; the data was prepared "
                             f"with another tokenizer: re-run data/prepare.py or fix meta.json")
         data[split] = arr
     return data, meta
