@@ -13,16 +13,78 @@ norms and adapters.
 import argparse
 import copy
 import itertools
+import json
+import math
+import os
 from dataclasses import asdict
 
 import torch
 import torch.nn as nn
 
-from model import LINEARS, RESIDUAL_OUT, Block, UserError, dense_weight, run_cli
+from common import UserError, load_checkpoint, load_config, run_cli, save_checkpoint
+from model import GPT, LINEARS, RESIDUAL_OUT, Block, GPTConfig, dense_weight, padded_vocab
 
 INITS = ("mean", "copy", "zero", "stack")
 PLACEMENTS = ("upper", "lower", "interleave", "random")
 TRAINABLE_BYTES = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# a run's stages
+
+def check_stages(cfg):
+    """The STEP keys of a run config (common.TrainConfig), checked before any work is done."""
+    if cfg.grow_init not in INITS or cfg.grow_where not in PLACEMENTS:
+        raise UserError(f"grow_init must be one of {INITS} and grow_where one of {PLACEMENTS}")
+    if cfg.stage_layers and any(not isinstance(n, int) or n < 1 for n in cfg.stage_layers):
+        raise UserError(f"stage_layers={cfg.stage_layers}: every stage must add at least one layer")
+    if cfg.stage_layers and cfg.target_layers and sum(cfg.stage_layers) != cfg.target_layers:
+        raise UserError(f"stage_layers={cfg.stage_layers} sum to {sum(cfg.stage_layers)}, "
+                        f"not target_layers={cfg.target_layers}; fix one of them")
+    if not cfg.stage_layers and cfg.n_stages > 1 and not cfg.target_layers:
+        raise UserError("n_stages > 1 needs target_layers (planned) or stage_layers (explicit)")
+    if cfg.target_layers and not cfg.stage_layers and cfg.n_stages > cfg.target_layers:
+        raise UserError(f"n_stages={cfg.n_stages} must be between 1 and target_layers={cfg.target_layers}")
+    if cfg.stage_tokens and len(cfg.stage_tokens) != stage_count(cfg):
+        raise UserError(f"stage_tokens has {len(cfg.stage_tokens)} entries for {stage_count(cfg)} stages")
+    if stage_count(cfg) > 1 and cfg.lora_rank > cfg.n_embd:
+        raise UserError(f"lora_rank={cfg.lora_rank} must be between 1 and n_embd={cfg.n_embd}")
+
+
+def stage_count(cfg):
+    return len(cfg.stage_layers) or (cfg.n_stages if cfg.target_layers else 1)
+
+
+def final_depth(cfg):
+    return sum(cfg.stage_layers) or cfg.target_layers or cfg.n_layer
+
+
+def model_config(cfg, n_layer, vocab_size):
+    """The GPTConfig of an n_layer model of the run config cfg: every field both share comes from
+    cfg (so a new model key reaches the model by being named in both). Embeddings start trainable:
+    cfg.train_embeddings=False freezes them at the first growth."""
+    return GPTConfig.from_dict(asdict(cfg), n_layer=n_layer, vocab_size=vocab_size, train_embeddings=True)
+
+
+def stage_plan(cfg, vocab_size, tokens_per_iter):
+    """-> (layers added per stage, iterations per stage) of the run config cfg."""
+    check_stages(cfg)
+    if cfg.stage_layers:
+        layers = list(cfg.stage_layers)
+    elif cfg.target_layers:
+        layers = plan_stages(model_config(cfg, cfg.target_layers, vocab_size), cfg.target_layers, cfg.n_stages,
+                             train_embeddings=cfg.train_embeddings)
+    else:
+        layers = [cfg.n_layer]
+    if cfg.stage_tokens:
+        iters = [max(1, math.ceil(t / tokens_per_iter)) for t in cfg.stage_tokens]
+    else:
+        k = len(layers)
+        if cfg.max_iters < k:
+            raise UserError(f"max_iters={cfg.max_iters} is fewer than the {k} stages")
+        iters = [cfg.max_iters // k] * k
+        iters[-1] += cfg.max_iters - sum(iters)
+    return layers, iters
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,6 +103,16 @@ def layer_counts(cfg):
             sum(cfg.lora_rank * (n + k) for n, k in shapes))
 
 
+def outside_params(cfg):
+    """Parameters outside the layer stack: embeddings, head (unless tied) and the final norm."""
+    return cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + cfg.n_embd
+
+
+def param_count(cfg):
+    weights, _, norms, _ = layer_counts(cfg)
+    return cfg.n_layer * (weights + norms) + outside_params(cfg)
+
+
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True, layers_only=False):
     """Model-state bytes of a model with n_frozen frozen (+ adapters) and n_trainable trainable
     layers; by default the split that `cfg.frozen_layers` describes."""
@@ -57,7 +129,7 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
         raise ValueError(f"accounting {accounting!r}: use int8 or bf16")
     total += n_frozen * (frozen_layer + TRAINABLE_BYTES * adapter)
     if not layers_only:
-        outside = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + cfg.n_embd
+        outside = outside_params(cfg)
         frozen_cost = 4 if accounting == "int8" else 2   # a frozen embedding stays a float tensor
         total += outside * (TRAINABLE_BYTES if train_embeddings or n_frozen == 0 else frozen_cost)
     return total
@@ -100,21 +172,23 @@ def smallest_plan(cfg, target_layers, budget, max_stages=8, **kw):
                     f"(the best needs {peak / 2**30:.2f} GiB); raise the budget or lower lora_rank")
 
 
-def measured_state_bytes(model, opt):
-    """Model-state bytes measured from the live tensors: parameters, their gradients and the AdamW
-    moments (the per-tensor `step` scalar is bookkeeping, not counted), and the persistent buffers
-    (int8 weights and their scales)."""
-    total = 0
-    for p in model.parameters():
-        total += p.numel() * p.element_size()
-        if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
-        for v in opt.state.get(p, {}).values():
-            if torch.is_tensor(v) and v.numel() == p.numel():
-                total += v.numel() * v.element_size()
-    persistent = model.state_dict().keys()
-    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n in persistent)
-    return total
+def measure_cpu_memory(fn):
+    """Run fn() and measure the CPU tensor memory it allocates, from the profiler's record of every
+    allocation and free (not from a list of tensors we think exist). -> (peak bytes, bytes still
+    allocated when fn returns). The timeline is a private torch API (torch 2.13); CUDA has
+    torch.cuda.max_memory_allocated instead."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action in (Action.CREATE, Action.PREEXISTING):
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak, live
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,39 +258,69 @@ def grow(model, n_new, init="mean", where="upper", seed=0):
     return new_idx
 
 
-def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embeddings=True):
+def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embeddings=True, rounding="nearest"):
     """STEP's stage transition: merge the adapters of already-frozen layers into their int8 weights
     (and restart them), grow n_new layers, freeze every layer that is not new (and, unless
-    train_embeddings, the embeddings, final norm and head)."""
-    for i in model.config.frozen_layers:
-        model.layers[i].merge_adapters()
+    train_embeddings, the embeddings, final norm and head). Every random draw (placement, new
+    adapters, stochastic rounding) comes from `seed`, so all ranks make the same ones.
+    -> (indices of the new layers, MergeStats of the merge, or None when nothing was merged)."""
+    g = torch.Generator().manual_seed(seed)
+    merged = sum(model.layers[i].merge_adapters(rounding, g) for i in model.config.frozen_layers) or None
     new_idx = grow(model, n_new, init, where, seed)
     cfg = model.config
     for i, block in enumerate(model.layers):
         if i not in new_idx and not block.frozen:
-            block.freeze(cfg.lora_rank, cfg.lora_alpha)
+            block.freeze(cfg.lora_rank, cfg.lora_alpha, g)
     cfg.frozen_layers = tuple(i for i in range(cfg.n_layer) if i not in new_idx)
     if not train_embeddings:
         model.freeze_embeddings()
-    return new_idx
+    return new_idx, merged
 
 
 # ----------------------------------------------------------------------------------------------
 # CLI
 
+def data_vocab(cfg, override=0):
+    """-> (the model's padded vocabulary, where the number comes from): --vocab, else the prepared
+    data's meta.json, else the config's vocab_size, else data/prepare.py's default tokenizer, said
+    as an assumption."""
+    if override:
+        return padded_vocab(override), f"--vocab {override}"
+    meta = os.path.join(cfg.data_dir, "meta.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            n = check_vocab(cfg, json.load(f)["vocab_size"])
+        return padded_vocab(n), f"{n} tokens in {meta}"
+    if cfg.vocab_size:
+        return padded_vocab(cfg.vocab_size), f"{cfg.vocab_size} tokens, the config's vocab_size"
+    from data.prepare import DEFAULT_VOCAB_RANKS
+    n = DEFAULT_VOCAB_RANKS + 1
+    return padded_vocab(n), (f"{n} tokens assumed: {cfg.data_dir} is not prepared and data/prepare.py's default "
+                             f"tokenizer has {n}; --vocab N for another")
+
+
+def check_vocab(cfg, data_vocab_size):
+    if cfg.vocab_size and cfg.vocab_size != data_vocab_size:
+        raise UserError(f"{cfg.data_dir} holds a {data_vocab_size}-token vocabulary but the config is for "
+                        f"vocab_size={cfg.vocab_size}: prepare the data with --vocab_ranks={cfg.vocab_size - 1}, "
+                        f"or set --vocab_size=0")
+    return data_vocab_size
+
+
 def _plan_cli(args):
-    import train
-    tcfg = train.load_config([args.config] + (["--lora_rank=%d" % args.rank] if args.rank else []))
-    target = tcfg.target_layers or sum(tcfg.stage_layers) or tcfg.n_layer
-    vocab = args.vocab or 32000
-    cfg = train.model_config(tcfg, target, 64 * -(-vocab // 64))
+    tcfg = load_config([args.config] + ([f"--lora_rank={args.rank}"] if args.rank else []))
+    check_stages(tcfg)
+    target = final_depth(tcfg)
+    vocab, source = data_vocab(tcfg, args.vocab)
+    cfg = model_config(tcfg, target, vocab)
     kw = dict(train_embeddings=tcfg.train_embeddings)
-    print(f"{args.config}: {target} layers, n_embd {cfg.n_embd}, ffn {cfg.ffn_hidden}, vocab {cfg.vocab_size}, "
-          f"lora rank {cfg.lora_rank}, embeddings {'trainable' if tcfg.train_embeddings else 'frozen'} in later stages")
+    print(f"{args.config}: {target} layers, n_embd {cfg.n_embd}, ffn {cfg.ffn_hidden}, vocab {cfg.vocab_size} "
+          f"({source}), {param_count(cfg) / 1e6:.1f}M parameters, lora rank {cfg.lora_rank}, embeddings "
+          f"{'trainable' if tcfg.train_embeddings else 'frozen'} in later stages")
     if args.budget:
         k, layers, peak = smallest_plan(cfg, target, args.budget, **kw)
         print(f"budget {args.budget / 2**30:.2f} GiB (int8 accounting, all tensors): smallest K = {k}, layers {layers}, peak {peak / 2**30:.2f} GiB")
-    stages = [args.stages] if args.stages else sorted({2, 3, tcfg.n_stages if tcfg.target_layers else len(tcfg.stage_layers) or 1})
+    stages = [args.stages] if args.stages else sorted({2, 3, stage_count(tcfg)})
     for acc in ("bf16", "int8"):
         for scope, layers_only in (("all tensors", False), ("layers only, as the paper", True)):
             vanilla = state_bytes(cfg, n_trainable=target, n_frozen=0, accounting=acc, layers_only=layers_only)
@@ -230,17 +334,15 @@ def _plan_cli(args):
 
 
 def _grow_cli(args):
-    import train
-    ckpt = train.load_checkpoint(args.ckpt)
-    model = train.model_from_checkpoint(ckpt, args.ckpt)
+    ckpt = load_checkpoint(args.ckpt)
+    model = GPT.from_checkpoint(ckpt, args.ckpt)
     before = model.config.n_layer
     if args.freeze:
-        new_idx = next_stage(model, args.add, args.init, args.where, seed=args.seed)
+        new_idx, _ = next_stage(model, args.add, args.init, args.where, seed=args.seed)
     else:
         new_idx = grow(model, args.add, args.init, args.where, seed=args.seed)
-    train.save_checkpoint(args.out, {"model": model.state_dict(), "model_args": asdict(model.config),
-                                     "grown_from": args.ckpt, "meta": ckpt.get("meta"),
-                                     "config": ckpt.get("config", {})})
+    save_checkpoint(args.out, {"model": model.state_dict(), "model_args": asdict(model.config),
+                               "grown_from": args.ckpt, "meta": ckpt.get("meta"), "config": ckpt.get("config", {})})
     tr, fr = model.num_params()
     print(f"grew {args.ckpt} from {before} to {model.config.n_layer} layers ({args.init}, {args.where}); new layers "
           f"{new_idx}; frozen {list(model.config.frozen_layers)}; trainable {tr:,}, frozen {fr:,}; wrote {args.out} "
@@ -253,7 +355,7 @@ def main(argv):
         p.add_argument("config")
         p.add_argument("--stages", type=int, default=0, help="K (default: 2 and 3, and the config's)")
         p.add_argument("--rank", type=int, default=0, help="LoRA rank (default: the config's)")
-        p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default 32000, the paper's LLaMA)")
+        p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the config's data, e.g. 32000 for the paper's LLaMA tokenizer)")
         p.add_argument("--budget", type=float, default=0, help="bytes: report the smallest K that fits")
         return _plan_cli(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="grow.py", description="grow a checkpoint in depth")

@@ -8,27 +8,14 @@ and its norms stop learning. `GPTConfig.frozen_layers` says which, so a checkpoi
 rebuilds the exact module tree.
 """
 import math
-import sys
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import UserError
 from kernels import dequantize_int8, frozen_lora_linear, quantize_int8
-
-
-class UserError(Exception):
-    """Bad input from the user (config, data, checkpoint): printed as one line, no traceback."""
-
-
-def run_cli(main):
-    """main(argv) for a script: a UserError ends it with one line on stderr and exit status 2."""
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 @dataclass
@@ -60,9 +47,15 @@ class GPTConfig:
             raise UserError(f"lora_rank={self.lora_rank} must be in 1..n_embd={self.n_embd}")
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, **overrides):
+        """The fields of d (a checkpoint's model_args, or a run config's dict) that name a field here."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**{k: v for k, v in {**d, **overrides}.items() if k in known})
+
+
+def padded_vocab(n):
+    """The model's vocabulary for n token ids: padded up to a multiple of 64 (faster matmuls)."""
+    return 64 * math.ceil(n / 64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +75,7 @@ class RMSNorm(nn.Module):
 class FrozenLoRALinear(nn.Module):
     """y = x W^T + (alpha/r) (x A^T) B^T with W = q * scale frozen in int8 and A, B trainable."""
 
-    def __init__(self, in_features, out_features, rank, alpha):
+    def __init__(self, in_features, out_features, rank, alpha, generator=None):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.lora_scale = alpha / rank
@@ -90,29 +83,44 @@ class FrozenLoRALinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features))
         self.lora_a = nn.Parameter(torch.empty(rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, rank))
-        self.reset_adapter()
+        self.reset_adapter(generator)
 
     @classmethod
-    def from_weight(cls, w, rank, alpha):
-        m = cls(w.shape[1], w.shape[0], rank, alpha).to(w.device)
+    def from_weight(cls, w, rank, alpha, generator=None):
+        m = cls(w.shape[1], w.shape[0], rank, alpha, generator).to(w.device)
         m.weight_q, m.weight_scale = quantize_int8(w.detach())
         return m
 
-    def reset_adapter(self):
-        # LoRA's init: A random (Kaiming-uniform, as nn.Linear), B zero, so the adapter adds nothing
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b)
+    @torch.no_grad()
+    def reset_adapter(self, generator=None):
+        # LoRA's init: A as nn.Linear's weight (Kaiming-uniform, a=sqrt(5): U(+-1/sqrt(in))), B zero,
+        # so the adapter adds nothing. A is drawn on the CPU, so one seeded generator gives the same
+        # A on every device and every rank.
+        bound = 1 / math.sqrt(self.in_features)
+        self.lora_a.copy_(torch.empty(self.lora_a.shape).uniform_(-bound, bound, generator=generator))
+        self.lora_b.zero_()
+
+    def adapter_update(self):
+        return self.lora_scale * (self.lora_b.detach().float() @ self.lora_a.detach().float())   # (out, in)
 
     def dense_weight(self):
         """The float weight this layer computes with, adapter included: W + (alpha/r) B A."""
-        w = dequantize_int8(self.weight_q, self.weight_scale)
-        return w + self.lora_scale * (self.lora_b.detach().float() @ self.lora_a.detach().float())
+        return dequantize_int8(self.weight_q, self.weight_scale) + self.adapter_update()
 
     @torch.no_grad()
-    def merge(self):
-        """Fold the adapter into the int8 weight (dequantise, add, re-quantise) and restart it."""
-        self.weight_q, self.weight_scale = quantize_int8(self.dense_weight())
-        self.reset_adapter()
+    def merge(self, rounding="nearest", generator=None):
+        """Fold the adapter into the int8 weight (dequantise, add, re-quantise) and restart it.
+        Round-to-nearest loses every element of the update smaller than half a quantisation step
+        (and adds rounding noise); stochastic rounding keeps the update in expectation.
+        Returns MergeStats of what the new int8 weight carries of the update."""
+        before = dequantize_int8(self.weight_q, self.weight_scale)
+        update = self.adapter_update()
+        self.weight_q, self.weight_scale = quantize_int8(before + update, stochastic=rounding == "stochastic",
+                                                         generator=generator)
+        applied = dequantize_int8(self.weight_q, self.weight_scale) - before
+        self.reset_adapter(generator)
+        return MergeStats(torch.stack([(applied * update).sum(), update.square().sum(),
+                                       (applied - update).square().sum()]).double().cpu())
 
     def forward(self, x):
         return frozen_lora_linear(x, self.weight_q, self.weight_scale, self.lora_a, self.lora_b,
@@ -120,6 +128,29 @@ class FrozenLoRALinear(nn.Module):
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, int8, rank={self.rank}"
+
+
+@dataclass
+class MergeStats:
+    """Sums over merged weights of <applied, update>, |update|^2 and |applied - update|^2."""
+    sums: torch.Tensor
+
+    def __add__(self, other):
+        return MergeStats(self.sums + other.sums)
+
+    def __radd__(self, other):   # sum() starts from 0
+        return self if isinstance(other, int) and other == 0 else self + other
+
+    @property
+    def kept(self):
+        """The share of the update the merged weights carry: the projection of what was applied
+        on what was asked for (1: all of it; round-to-nearest loses what is under half a step)."""
+        return (self.sums[0] / self.sums[1]).item() if self.sums[1] > 0 else float("nan")
+
+    @property
+    def error(self):
+        """|applied - update| / |update|: the rounding noise the merge added, relative to the update."""
+        return (self.sums[2] / self.sums[1]).sqrt().item() if self.sums[1] > 0 else float("nan")
 
 
 def dense_weight(linear):
@@ -193,18 +224,17 @@ class Block(nn.Module):
     def frozen(self):
         return isinstance(self.attn.q, FrozenLoRALinear)
 
-    def freeze(self, rank, alpha):
+    def freeze(self, rank, alpha, generator=None):
         """Store the seven linears in int8 behind fresh LoRA adapters; stop training the norms."""
         for name in LINEARS:
             parent, child = name.split(".")
             lin = self.linear(name)
-            setattr(getattr(self, parent), child, FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha))
+            setattr(getattr(self, parent), child, FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha, generator))
         self.attn_norm.weight.requires_grad_(False)
         self.mlp_norm.weight.requires_grad_(False)
 
-    def merge_adapters(self):
-        for name in LINEARS:
-            self.linear(name).merge()
+    def merge_adapters(self, rounding="nearest", generator=None):
+        return sum(self.linear(name).merge(rounding, generator) for name in LINEARS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +261,19 @@ class GPT(nn.Module):
             self.layers[i].freeze(cfg.lora_rank, cfg.lora_alpha)
         if not cfg.train_embeddings:
             self.freeze_embeddings()
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, path="checkpoint"):
+        """The model a checkpoint dict (common.load_checkpoint) holds: its config rebuilds the exact
+        module tree (which layers are int8 + LoRA), then the weights load into it."""
+        model = cls(GPTConfig.from_dict(ckpt["model_args"]))
+        state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            lines = str(e).strip().splitlines()
+            raise UserError(f"{path} does not match its own model config ({(lines[1:] or lines)[0].strip()}); it is damaged")
+        return model
 
     def freeze_embeddings(self):
         self.config.train_embeddings = False

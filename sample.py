@@ -6,11 +6,12 @@ import argparse
 
 import torch
 
-from model import UserError, run_cli
+from common import UserError, load_checkpoint, run_cli
+from data.prepare import get_tokenizer
+from model import GPT
 
 
 def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1):
-    from data.prepare import get_tokenizer
     enc = get_tokenizer(meta["tokenizer"], meta.get("vocab_ranks", 0))
     device = next(model.parameters()).device
     ids = enc.encode_ordinary(prompt) or [meta["eot_token"]]
@@ -26,7 +27,6 @@ def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200,
 
 
 def main(argv):
-    import train
     p = argparse.ArgumentParser(description="sample text from a checkpoint")
     p.add_argument("--ckpt", default="out-step-small/ckpt.pt")
     p.add_argument("--prompt", default="\n", help="text, or FILE:path to read it from a file")
@@ -38,10 +38,10 @@ def main(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     prompt = open(a.prompt[5:]).read() if a.prompt.startswith("FILE:") else a.prompt
-    ckpt = train.load_checkpoint(a.ckpt)
+    ckpt = load_checkpoint(a.ckpt)
     if not ckpt.get("meta"):
         raise UserError(f"{a.ckpt} records no tokenizer (meta); it was not written by train.py")
-    model = train.model_from_checkpoint(ckpt, a.ckpt).to(a.device)
+    model = GPT.from_checkpoint(ckpt, a.ckpt).to(a.device)
     print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num_samples))
 
 

@@ -1,7 +1,11 @@
-# STEP at the paper's 1.2B scale (ReLoRA/GaLore LLaMA-1B: hidden 2048, 24 layers, FFN 5461,
-# 32 heads, sequence 1024), for GPUs. Three stages planned by Eq. 3; see `python grow.py plan`.
+# STEP at the paper's 1.2B scale (the ReLoRA/GaLore LLaMA-1B: hidden 2048, 24 layers, FFN 5461,
+# 32 heads, sequence 1024, untied 32,000-token vocabulary: 1.34B parameters, 1.21B of them in the
+# layers), for GPUs. Three stages planned by Eq. 3: python grow.py plan config/step_1b.py
+# Data: as config/step_350m.py, with 24B tokens:
+#   python data/prepare.py --source=fineweb-edu --max_tokens=24100000000 --vocab_ranks=31999 --out=data/fineweb-edu
 out_dir = "out-step-1b"
 data_dir = "data/fineweb-edu"
+vocab_size = 32000
 
 n_embd = 2048
 n_head = 32
@@ -12,7 +16,7 @@ lora_alpha = 128.0
 
 target_layers = 24
 n_stages = 3
-stage_tokens = [8_000_000_000, 8_000_000_000, 8_000_000_000]   # 24B tokens, ~20 per parameter
+stage_tokens = [8_000_000_000, 8_000_000_000, 8_000_000_000]   # 24B tokens, 17.9 per parameter
 
 batch_size = 16
 gradient_accumulation_steps = 32    # 512 sequences per step

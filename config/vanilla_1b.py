@@ -1,5 +1,6 @@
 # The vanilla twin of config/step_1b.py: 24 layers, all trainable, the same tokens.
-exec(open("config/step_1b.py").read())
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "step_1b.py")).read())
 out_dir = "out-vanilla-1b"
 target_layers = 0
 n_stages = 1

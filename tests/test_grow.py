@@ -4,7 +4,9 @@ import torch
 
 import grow
 import train
-from model import GPT, UserError
+from common import UserError, load_config
+from kernels import dequantize_int8
+from model import GPT, LINEARS
 from tests.helpers import tiny_config
 
 
@@ -78,18 +80,30 @@ def test_budget_picks_smallest_k_or_says_none_fits():
 
 
 @pytest.mark.parametrize("train_embeddings", [True, False])
-def test_measured_state_bytes_equal_the_plan(train_embeddings):
-    torch.manual_seed(0)
-    model = GPT(tiny_config(n_layer=2))
-    grow.next_stage(model, 2, train_embeddings=train_embeddings)
+def test_planned_state_equals_the_allocations_of_a_real_step(train_embeddings):
+    """The planner's arithmetic against what a real optimizer step allocates, measured by the
+    profiler: they differ by exactly the tensors the plan leaves out on purpose (the RoPE tables,
+    AdamW's step counters, the input batch)."""
+    keep = {}
+
+    def step():
+        torch.manual_seed(0)
+        model = GPT(tiny_config(n_layer=2))
+        grow.next_stage(model, 2, train_embeddings=train_embeddings)
+        opt = train.build_optimizer(model, load_config([]), torch.device("cpu"))
+        idx = torch.randint(0, 128, (2, 16))
+        model(idx, idx)[1].backward()
+        opt.step()
+        keep.update(model=model, opt=opt, idx=idx)
+
+    _, live = grow.measure_cpu_memory(step)
+    model, opt = keep["model"], keep["opt"]
     assert model.wte.weight.requires_grad == train_embeddings == model.lm_head.weight.requires_grad
-    opt = train.build_optimizer(model, train.TrainConfig(), torch.device("cpu"))
-    idx = torch.randint(0, 128, (2, 16))
-    model(idx, idx)[1].backward()
-    opt.step()
     planned = grow.state_bytes(model.config, train_embeddings=train_embeddings)
-    assert grow.measured_state_bytes(model, opt) == planned
     assert planned == grow.stage_memory(model.config, [2, 2], train_embeddings=train_embeddings)[1]
+    left_out = (model.rope_cos.nbytes + model.rope_sin.nbytes + keep["idx"].nbytes
+                + sum(s["step"].nbytes for s in opt.state.values()))
+    assert live == planned + left_out
     # the config alone rebuilds the same trainable set (resume)
     rebuilt = GPT(model.config)
     assert [n for n, p in rebuilt.named_parameters() if p.requires_grad] == \
@@ -118,7 +132,8 @@ def test_zero_growth_with_freezing_stays_within_int8_error():
     model = GPT(tiny_config(n_layer=2))
     idx = torch.randint(0, 128, (2, 16))
     before = logits(model, idx)
-    grow.next_stage(model, 2, init="zero")
+    new, merged = grow.next_stage(model, 2, init="zero")
+    assert merged is None                  # nothing was frozen before, so nothing was merged
     after = logits(model, idx)
     assert not torch.equal(after, before)
     torch.testing.assert_close(after, before, atol=0.05, rtol=0.05)
@@ -146,6 +161,33 @@ def test_mean_growth_places_means_where_asked():
     assert grow.insertion_gaps(2, 5, "upper") == [0, 0, 1, 1, 1]           # more new layers than gaps
 
 
+def test_mean_growth_between_frozen_layers_uses_their_weights_with_adapters():
+    """Stage 3 of a K=3 run: a new layer between two frozen int8 + LoRA layers starts as the mean of
+    the weights those layers compute with, adapters included (merged first), not of the bare int8."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=2))
+    grow.next_stage(model, 1)                          # 3 layers, all frozen at the next growth
+    model.layers[2].freeze(4, 8.0)                     # the new one too, as a trained stage would leave it
+    model.config.frozen_layers = (0, 1, 2)
+    with torch.no_grad():
+        for block in model.layers:
+            for name in LINEARS:
+                block.linear(name).lora_b.normal_(std=0.5)     # an update far above one int8 step
+    intended = [[block.linear(name).dense_weight() for name in LINEARS] for block in model.layers]
+    bare = [[dequantize_int8(block.linear(name).weight_q, block.linear(name).weight_scale) for name in LINEARS]
+            for block in model.layers]
+    new, merged = grow.next_stage(model, 1, init="mean", where="lower")   # between old layers 0 and 1
+    assert new == [1] and merged.kept > 0.99
+    grown = model.layers[1]
+    for j, name in enumerate(LINEARS):
+        w = grown.linear(name).weight.detach()
+        step = max(model.layers[0].linear(name).weight_scale.max(), model.layers[2].linear(name).weight_scale.max())
+        assert (w - (intended[0][j] + intended[1][j]) / 2).abs().max() <= step      # both roundings, halved
+        assert torch.equal(w, (model.layers[0].linear(name).dense_weight() + model.layers[2].linear(name).dense_weight()) / 2)
+        assert ((intended[0][j] + intended[1][j]) - (bare[0][j] + bare[1][j])).abs().max() > 10 * step   # adapters mattered
+    assert torch.equal(grown.attn_norm.weight, (model.layers[0].attn_norm.weight + model.layers[2].attn_norm.weight) / 2)
+
+
 def test_stack_follows_its_mapping():
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=3))
@@ -166,7 +208,7 @@ def test_after_a_step_frozen_weights_are_bit_identical_and_the_rest_moved():
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert all(not p.requires_grad for n, p in model.named_parameters() if "norm" in n and n.startswith("layers.")
                and int(n.split(".")[1]) in model.config.frozen_layers)
-    opt = train.build_optimizer(model, train.TrainConfig(), torch.device("cpu"))
+    opt = train.build_optimizer(model, load_config([]), torch.device("cpu"))
     for _ in range(2):   # B starts at zero, so A only moves from the second step
         idx = torch.randint(0, 128, (2, 16))
         model(idx, idx)[1].backward()
@@ -189,3 +231,23 @@ def test_bad_growth_requests():
         grow.grow(model, 0)
     with pytest.raises(UserError, match="n_stages=5"):
         grow.plan_stages(tiny_config(), 4, 5)
+
+
+def test_plan_cli_says_where_the_vocabulary_comes_from(tmp_path, capsys):
+    """The printed plan is for the vocabulary the run will train with: the prepared data's, else the
+    config's vocab_size, else the default tokenizer's, said as an assumption."""
+    from tests.helpers import write_dataset
+    data = write_dataset(tmp_path / "data", vocab=300)
+    cfg = tmp_path / "c.py"
+    cfg.write_text(f"data_dir = {data!r}\nstage_layers = [2, 2]\nn_embd = 64\nn_head = 2\n")
+    grow.main(["plan", str(cfg)])
+    assert f"vocab 320 (300 tokens in {data}/meta.json)" in capsys.readouterr().out
+    cfg.write_text(f"data_dir = {str(tmp_path / 'none')!r}\nstage_layers = [2, 2]\nvocab_size = 32000\n")
+    grow.main(["plan", str(cfg)])
+    assert "vocab 32000 (32000 tokens, the config's vocab_size)" in capsys.readouterr().out
+    cfg.write_text(f"data_dir = {str(tmp_path / 'none')!r}\nstage_layers = [2, 2]\n")
+    grow.main(["plan", str(cfg)])
+    assert "vocab 8256 (8193 tokens assumed" in capsys.readouterr().out
+    cfg.write_text(f"data_dir = {data!r}\nstage_layers = [2, 2]\nvocab_size = 32000\n")
+    with pytest.raises(UserError, match="holds a 300-token vocabulary but the config is for vocab_size=32000"):
+        grow.main(["plan", str(cfg)])

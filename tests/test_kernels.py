@@ -110,6 +110,34 @@ def test_dequantize_triton_equals_reference(triton_only, dtype):
     assert torch.equal(out, _DEQUANT_REF(q, scale, dtype))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf / inf inside the interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("route", ["reference", "triton"])
+def test_quantize_refuses_nan_and_inf_in_both_paths(request, monkeypatch, route, bad):
+    if route == "triton":
+        request.getfixturevalue("triton_only")
+        fn = kernels.quantize_int8
+    else:
+        fn = _QUANT_REF
+    w = _weight(37, 600)
+    w[20, 555] = bad                                               # in the second K block of row 20
+    with pytest.raises(ValueError, match=r"1 row\(s\) of the 37x600 weight hold NaN or inf \(first: row 20\)"):
+        fn(w)
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_step():
+    w = _weight(64, 512)
+    g = torch.Generator().manual_seed(0)
+    q_near, scale = _QUANT_REF(w)
+    x = w / scale[:, None]
+    draws = torch.stack([_QUANT_REF(w, stochastic=True, generator=g)[0].float() for _ in range(200)])
+    assert ((draws - x).abs() < 1).all() and draws.abs().max() <= 127
+    # the mean of 200 draws sits near x; round-to-nearest is off by up to half a step (the control)
+    assert (draws.mean(0) - x).abs().mean() < 0.05 < (q_near.float() - x).abs().mean()
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(kernels.quantize_int8(w, True, g1)[0], kernels.quantize_int8(w, True, g2)[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # frozen int8 + LoRA linear
 
@@ -193,17 +221,47 @@ def test_frozen_lora_triton_small_tiles(triton_only, tiny_tiles, monkeypatch, pa
     _run_and_check((70,), 75, 83, 24, torch.float32, strided=True)
 
 
+@pytest.fixture
+def program_order(monkeypatch):
+    """Makes the interpreter run a kernel's programs in a shuffled order, as a GPU may: set
+    `order.seed` to choose the permutation (None: the interpreter's own sequential order). Without
+    it the interpreter's atomics always add up in the same order and no test could see nondeterminism."""
+    if not kernels.INTERPRET:
+        pytest.skip("reorders the Triton interpreter's programs")
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    state = type("Order", (), {"seed": None, "perm": None})()
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+
+    def grid_dim(nx, ny, nz):
+        state.perm = (torch.randperm(nx, generator=torch.Generator().manual_seed(state.seed)).tolist()
+                      if state.seed is not None else list(range(nx)))
+        set_dim(nx, ny, nz)
+
+    monkeypatch.setattr(builder, "set_grid_dim", grid_dim)
+    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(state.perm[x], y, z))
+    return state
+
+
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
-def test_deterministic_mode_is_bit_identical(triton_only, tiny_tiles, monkeypatch, path):
-    # 10 row blocks over fewer programs: each program sums several blocks into its own slice
+def test_deterministic_mode_is_bit_identical_in_any_program_order(triton_only, tiny_tiles, program_order,
+                                                                   monkeypatch, path):
+    # 10 row blocks: the default mode adds them into dA and dB atomically, in whatever order the
+    # programs run; the deterministic mode gives each program its own slice and sums them in order
     monkeypatch.setenv("STEP_LORA_PATH", path)
-    monkeypatch.setenv("STEP_DETERMINISTIC", "1")
-    torch.manual_seed(1)
-    first = _run_and_check((150,), 45, 70, 16, torch.float32)
-    torch.manual_seed(1)
-    second = _run_and_check((150,), 45, 70, 16, torch.float32)
-    for u, v in zip(first, second):
-        assert torch.equal(u, v)
+
+    def grads(deterministic, seed):
+        monkeypatch.setenv("STEP_DETERMINISTIC", "1" if deterministic else "0")
+        program_order.seed = seed
+        torch.manual_seed(1)
+        return _run_and_check((150,), 45, 70, 16, torch.float32)
+
+    # the control: with atomics, another program order changes dA or dB in the last bits
+    plain = [grads(False, seed) for seed in (None, 1, 2)]
+    assert any(not torch.equal(plain[0][i], other[i]) for other in plain[1:] for i in (2, 3))
+    first = grads(True, None)
+    for seed in (1, 2):
+        assert all(torch.equal(u, v) for u, v in zip(first, grads(True, seed)))
 
 
 def test_deterministic_flag_sources(monkeypatch):
@@ -218,20 +276,41 @@ def test_deterministic_flag_sources(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
-def test_autocast_and_frozen_inputs(triton_only):
-    # fp32 x under fp16 autocast computes in fp16 and returns fp32 grads to fp32 masters; a frozen
-    # input (no grad for x) skips dX
+@pytest.mark.parametrize("path", frozen_lora.PATHS)
+def test_autocast_and_frozen_inputs(triton_only, monkeypatch, path):
+    # fp32 x under fp16 autocast computes in fp16 and returns fp32 grads to fp32 masters. An input
+    # that needs no gradient (the embedding output of a frozen stack, say) skips the dX GEMM: the
+    # backward's dX entry points (the fused kernel's launcher; the hybrid path's dequantised weight)
+    # are tripwires, and a control with x requiring grad shows that they are on the path.
+    monkeypatch.setenv("STEP_LORA_PATH", path)
+    scratch = frozen_lora._dequantize_to_scratch
+    phase = {"backward": False}
+
+    def dx_tripwire(*args, **kwargs):
+        if phase["backward"]:
+            raise AssertionError("dX was computed")
+        return scratch(*args, **kwargs)
+
+    monkeypatch.setattr(frozen_lora, "_fused_dx", dx_tripwire)
+    monkeypatch.setattr(frozen_lora, "_dequantize_to_scratch", dx_tripwire)
     x, q, scale, a, b, _ = _problem((20,), 24, 40, 8, torch.float32, strided=False)
     a.requires_grad_()
-    with torch.autocast(DEVICE, dtype=torch.float16):
-        y = kernels.frozen_lora_linear(x, q, scale, a, b, 0.5)
-    assert y.dtype == torch.float16
-    y.float().sum().backward()
-    assert a.grad.dtype == torch.float32 and b.grad is None and x.grad is None
-    ones = torch.ones_like(y)
-    oracle = _float64_oracle(x.half(), q, scale, a, b, 0.5, ones)
-    assert rel_err(y, oracle[0]) < TOL[torch.float16]
-    assert rel_err(a.grad, oracle[2]) < TOL[torch.float16]
+    for x_needs_grad in (False, True):
+        x.requires_grad_(x_needs_grad)
+        phase["backward"] = False
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            y = kernels.frozen_lora_linear(x, q, scale, a, b, 0.5)
+        assert y.dtype == torch.float16
+        phase["backward"] = True
+        if x_needs_grad:
+            with pytest.raises(AssertionError, match="dX was computed"):
+                y.float().sum().backward()
+        else:
+            y.float().sum().backward()
+            assert a.grad.dtype == torch.float32 and x.grad is None
+            oracle = _float64_oracle(x.half(), q, scale, a, b, 0.5, torch.ones_like(y))
+            assert rel_err(y, oracle[0]) < TOL[torch.float16]
+            assert rel_err(a.grad, oracle[2]) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels import dequantize_int8, quantize_int8
-from model import GPT, FrozenLoRALinear, UserError
+from common import UserError
+from model import GPT, FrozenLoRALinear
 from tests.helpers import tiny_config
 
 
@@ -43,18 +44,54 @@ def test_frozen_layers_counts_and_flops():
     assert model.estimate_flops() == expected
 
 
-def test_frozen_lora_linear_has_no_weight_gradient_and_adapter_starts_at_zero():
+def test_frozen_lora_linear_backward_computes_no_weight_gradient():
+    """The backward of a frozen layer costs dX plus the low-rank terms, never dW: counted in matmul
+    FLOPs, with an nn.Linear (which does compute dW) as the control."""
+    from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(0)
-    w = torch.randn(24, 40)
-    lin = FrozenLoRALinear.from_weight(w, rank=4, alpha=8.0)
+    M, N, K, r = 5, 24, 40, 4
+    w = torch.randn(N, K)
+    lin = FrozenLoRALinear.from_weight(w, rank=r, alpha=8.0)
     assert [n for n, _ in lin.named_parameters()] == ["lora_a", "lora_b"]
-    x = torch.randn(5, 40, requires_grad=True)
+    x = torch.randn(M, K, requires_grad=True)
     y = lin(x)
     q, s = quantize_int8(w)
     torch.testing.assert_close(y, x @ dequantize_int8(q, s).t(), rtol=1e-5, atol=1e-5)  # B = 0 at init
-    y.square().sum().backward()
-    assert lin.weight_q.grad is None and lin.weight_scale.grad is None
+
+    def backward_flops(out):
+        with FlopCounterMode(display=False) as counter:
+            out.square().sum().backward()
+        return counter.get_total_flops()
+
+    lowrank = 2 * M * r * (N + K) * 2                  # dY·B, dYB·A, dYBᵀ·x, dYᵀ·S
+    assert backward_flops(y) == 2 * M * N * K + lowrank
     assert x.grad is not None and lin.lora_b.grad.abs().sum() > 0
+    dense = torch.nn.Linear(K, N, bias=False)
+    assert backward_flops(dense(x)) == 2 * (2 * M * N * K)   # dX and dW: the control can tell them apart
+
+
+@pytest.mark.parametrize("steps, rounding, lo, hi", [
+    (0.2, "nearest", -0.05, 0.05),      # every element under half a step: lost
+    (0.2, "stochastic", 0.9, 1.1),      # kept in expectation
+    (20.0, "nearest", 0.99, 1.01),
+    (20.0, "stochastic", 0.99, 1.01),
+])
+def test_merge_reports_the_share_of_a_known_update_it_keeps(steps, rounding, lo, hi):
+    torch.manual_seed(0)
+    w = torch.randn(256, 256)
+    lin = FrozenLoRALinear.from_weight(w, rank=1, alpha=1.0)
+    before = dequantize_int8(lin.weight_q, lin.weight_scale)
+    sign = torch.randint(0, 2, (256,)).float() * 2 - 1
+    with torch.no_grad():   # B·A = +-steps quantisation steps of each row, in a random sign pattern
+        lin.lora_b.copy_((steps * lin.weight_scale)[:, None])
+        lin.lora_a.copy_(sign[None, :])
+    update = lin.adapter_update()
+    stats = lin.merge(rounding, torch.Generator().manual_seed(1))
+    applied = dequantize_int8(lin.weight_q, lin.weight_scale) - before
+    assert lo <= stats.kept <= hi
+    assert stats.kept == pytest.approx(((applied * update).sum() / update.square().sum()).item(), rel=1e-5, abs=1e-6)
+    assert stats.error == pytest.approx(((applied - update).norm() / update.norm()).item(), rel=1e-5)
+    assert torch.all(lin.lora_b == 0)
 
 
 def test_merge_keeps_output_within_int8_error():
@@ -83,8 +120,23 @@ def test_generate_is_deterministic_for_a_seed():
     a = model.generate(idx, 10, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(3))
     b = model.generate(idx, 10, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(3))
     assert a.shape == (2, 11) and torch.equal(a, b)
-    greedy = model.generate(idx, 5, temperature=0)
-    assert torch.equal(greedy, model.generate(idx, 5, temperature=0))
+    c = model.generate(idx, 10, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(a, c)
+
+
+def test_greedy_generation_follows_the_argmax_of_the_full_forward():
+    """An independent oracle: each next token is the argmax of the last position's logits of a full
+    forward pass (the training path, not generate's last-position shortcut)."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    idx = torch.randint(0, 128, (2, 3))
+    greedy = model.generate(idx, 6, temperature=0)
+    expect = idx
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(expect, expect)[0][:, -1]
+            expect = torch.cat([expect, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy, expect) and len(set(greedy[0, 3:].tolist())) > 1
 
 
 def test_bad_model_configs():
