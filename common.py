@@ -8,6 +8,7 @@ It is a module of its own because train.py, grow.py and sample.py all read confi
 checkpoints, and train.py sits above grow.py: keeping these here lets every import point down.
 """
 import ast
+import hashlib
 import math
 import os
 import sys
@@ -42,6 +43,7 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 20
     log_interval: int = 10
+    keep_checkpoints: int = 2           # the newest k checkpoints stay in out_dir (ckpt-<iter>.pt)
     eval_only: bool = False
     dry_run: bool = False               # print the resolved config, model and stage plan, then exit
     stop_at: int = 0                    # >0: save and stop at this iteration, as a preempted job would
@@ -86,13 +88,15 @@ class TrainConfig:
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                 # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = True                # torch.compile on CUDA; always off on CPU (said at start)
+    zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
+    sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic")}
 AT_LEAST_ONE = ("batch_size", "gradient_accumulation_steps", "block_size", "eval_interval", "eval_iters",
-                "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "lora_rank")
-NOT_NEGATIVE = ("vocab_size", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at", "sample_tokens", "ffn_hidden",
-                "target_layers", "max_iters", "min_lr", "weight_decay", "lora_weight_decay", "grad_clip")
+                "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "lora_rank", "keep_checkpoints")
+NOT_NEGATIVE = ("vocab_size", "sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
+                "sample_tokens", "ffn_hidden", "target_layers", "max_iters", "min_lr", "weight_decay", "lora_weight_decay", "grad_clip")
 POSITIVE = ("learning_rate", "lora_alpha", "rope_theta", "norm_eps")
 
 
@@ -164,8 +168,9 @@ def validate(cfg):
     for key, options in CHOICES.items():
         if getattr(cfg, key) not in options:
             raise UserError(f"{key}={getattr(cfg, key)!r}: use one of {', '.join(options)}")
-    if cfg.init_from not in ("scratch", "resume") and not os.path.isfile(cfg.init_from):
-        raise UserError(f"init_from={cfg.init_from!r}: use 'scratch', 'resume' or the path of a checkpoint")
+    if cfg.init_from not in ("scratch", "resume", "resume_previous") and not os.path.exists(cfg.init_from):
+        raise UserError(f"init_from={cfg.init_from!r}: use 'scratch', 'resume', 'resume_previous' or the path of a "
+                        f"checkpoint (a file, or a run folder for its newest)")
     if any(not isinstance(t, int) or t < 1 for t in cfg.stage_tokens):
         raise UserError(f"stage_tokens={cfg.stage_tokens}: every stage needs a positive whole number of tokens")
     if cfg.max_iters < 1 and not cfg.stage_tokens:
@@ -174,26 +179,118 @@ def validate(cfg):
 
 # ----------------------------------------------------------------------------------------------
 # checkpoints
+#
+# A run keeps its newest keep_checkpoints files, out_dir/ckpt-<iteration>.pt. Each file is a short
+# header (a magic line and the BLAKE2b digest of the payload), then the torch.save payload. It is
+# written to a temp file, flushed to disk and renamed, so a crash or kill at any moment leaves the
+# older files whole; the digest catches a file damaged later (a bad disk, a partial copy).
 
-def save_checkpoint(path, state):
-    """Write to a temp file in the same folder, flush to disk, then rename: a crash or kill at any
-    moment leaves either the old checkpoint or the new one, never a torn file."""
+MAGIC = b"step-gpt checkpoint v1\n"
+DIGEST_HEX = 64
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what torch.save writes through it."""
+
+    def __init__(self, f):
+        self.f, self.hash = f, hashlib.blake2b(digest_size=DIGEST_HEX // 2)
+
+    def write(self, b):
+        self.hash.update(b)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def checkpoint_path(out_dir, it):
+    return os.path.join(out_dir, f"ckpt-{it:08d}.pt")
+
+
+def checkpoint_files(out_dir):
+    """The checkpoints of a run folder, newest (highest iteration) first."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [n for n in os.listdir(out_dir) if n.startswith("ckpt-") and n.endswith(".pt") and n[5:-3].isdigit()]
+    return [os.path.join(out_dir, n) for n in sorted(names, reverse=True)]
+
+
+def save_checkpoint(path, state, keep=0):
+    """Write `state` to `path` atomically with its digest; then, with keep > 0, delete all but the
+    newest `keep` checkpoints of the folder. A full disk leaves the older files as they were."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + b"0" * DIGEST_HEX + b"\n")
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.seek(len(MAGIC))
+            f.write(writer.hash.hexdigest().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        older = [p for p in checkpoint_files(os.path.dirname(path) or ".") if p != path]
+        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); "
+                        + (f"{older[0]} is intact: free space, then resume" if older else "no earlier checkpoint exists"))
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:   # the rename itself must reach the disk before older files are deleted
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if keep:
+        for old in checkpoint_files(os.path.dirname(path) or ".")[keep:]:
+            os.remove(old)
+
+
+def verify_checkpoint(path):
+    """-> None if the file is whole, else why not (one phrase)."""
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + DIGEST_HEX + 1)
+        if not head.startswith(MAGIC):
+            return "not a checkpoint of this project (no step-gpt header)"
+        h = hashlib.blake2b(digest_size=DIGEST_HEX // 2)
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    if h.hexdigest().encode() != head[len(MAGIC):-1]:
+        return "checksum mismatch: the file is truncated or damaged"
+    return None
 
 
 def load_checkpoint(path):
+    """A checkpoint file, verified; or the newest one of a run folder."""
+    if os.path.isdir(path):
+        files = checkpoint_files(path)
+        if not files:
+            raise UserError(f"no checkpoint in {path}; train first, or use init_from=scratch")
+        path = files[0]
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path}; train first, or use init_from=scratch")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise UserError(f"checkpoint {path} is unreadable (corrupt or truncated: {type(e).__name__}); "
-                        f"delete it and start with init_from=scratch, or restore a copy")
+    why = verify_checkpoint(path)
+    if why:
+        raise UserError(f"checkpoint {path} is unusable: {why}")
+    with open(path, "rb") as f:
+        f.seek(len(MAGIC) + DIGEST_HEX + 1)
+        ckpt = torch.load(f, map_location="cpu", weights_only=False)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no model/model_args)")
     return ckpt
+
+
+def resume_checkpoint(out_dir, previous=False):
+    """The checkpoint a resumed run continues from: the newest of out_dir, or with `previous` the
+    one before it. A damaged newest file is an error that names the fallback, never a silent
+    switch to it. -> (path, checkpoint)."""
+    files = checkpoint_files(out_dir)
+    if len(files) < 1 + previous:
+        raise UserError(f"no {'earlier ' if previous else ''}checkpoint in {out_dir} to resume from; "
+                        f"train first, or use init_from=scratch")
+    path = files[int(previous)]
+    why = verify_checkpoint(path)
+    if why:
+        hint = (f"resume from the one before it, {files[int(previous) + 1]}, with --init_from=resume_previous"
+                if not previous and len(files) > 1 else "no earlier checkpoint is left: start with init_from=scratch")
+        raise UserError(f"checkpoint {path} is unusable ({why}); {hint}")
+    return path, load_checkpoint(path)

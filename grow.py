@@ -113,26 +113,37 @@ def param_count(cfg):
     return cfg.n_layer * (weights + norms) + outside_params(cfg)
 
 
-def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True, layers_only=False):
+def trainable_bytes(accounting, zero_world=1):
+    """Bytes per trainable parameter: weight and gradient, plus the optimizer's share, which ZeRO-1
+    divides over zero_world ranks (ours: fp32 AdamW moments, 8 B; the paper's mixed precision: bf16
+    weight and gradient, fp32 master weight and moments, 12 B)."""
+    sharded = 8 if accounting == "int8" else 12
+    return TRAINABLE_BYTES - sharded + sharded / zero_world
+
+
+def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True, layers_only=False,
+                zero_world=1):
     """Model-state bytes of a model with n_frozen frozen (+ adapters) and n_trainable trainable
-    layers; by default the split that `cfg.frozen_layers` describes."""
+    layers; by default the split that `cfg.frozen_layers` describes. With zero_world > 1: per rank
+    under ZeRO-1 (about: ZeRO shards whole tensors, so the ranks' shares differ a little)."""
     if n_frozen is None:
         n_frozen = len(cfg.frozen_layers)
         n_trainable = cfg.n_layer - n_frozen
     weights, rows, norms, adapter = layer_counts(cfg)
-    total = n_trainable * TRAINABLE_BYTES * (weights + norms)
+    per_param = trainable_bytes(accounting, zero_world)
+    total = n_trainable * per_param * (weights + norms)
     if accounting == "int8":
         frozen_layer = weights + 4 * rows + 4 * norms
     elif accounting == "bf16":
         frozen_layer = 2 * (weights + norms)
     else:
         raise ValueError(f"accounting {accounting!r}: use int8 or bf16")
-    total += n_frozen * (frozen_layer + TRAINABLE_BYTES * adapter)
+    total += n_frozen * (frozen_layer + per_param * adapter)
     if not layers_only:
         outside = outside_params(cfg)
         frozen_cost = 4 if accounting == "int8" else 2   # a frozen embedding stays a float tensor
-        total += outside * (TRAINABLE_BYTES if train_embeddings or n_frozen == 0 else frozen_cost)
-    return total
+        total += outside * (per_param if train_embeddings or n_frozen == 0 else frozen_cost)
+    return int(total)
 
 
 def stage_memory(cfg, stage_layers, **kw):
@@ -321,14 +332,17 @@ def _plan_cli(args):
         k, layers, peak = smallest_plan(cfg, target, args.budget, **kw)
         print(f"budget {args.budget / 2**30:.2f} GiB (int8 accounting, all tensors): smallest K = {k}, layers {layers}, peak {peak / 2**30:.2f} GiB")
     stages = [args.stages] if args.stages else sorted({2, 3, stage_count(tcfg)})
-    for acc in ("bf16", "int8"):
+    worlds = [1] + ([args.world] if args.world > 1 else [])
+    for acc, world in itertools.product(("bf16", "int8"), worlds):
         for scope, layers_only in (("all tensors", False), ("layers only, as the paper", True)):
-            vanilla = state_bytes(cfg, n_trainable=target, n_frozen=0, accounting=acc, layers_only=layers_only)
-            print(f"\n{acc} accounting, {scope}: vanilla {target} layers = {vanilla / 2**30:.3f} GiB")
+            mkw = dict(accounting=acc, layers_only=layers_only, zero_world=world)
+            vanilla = state_bytes(cfg, n_trainable=target, n_frozen=0, **mkw)
+            where = f", ZeRO-1 per rank at world {world}" if world > 1 else ""
+            print(f"\n{acc} accounting{where}, {scope}: vanilla {target} layers = {vanilla / 2**30:.3f} GiB")
             print(f"{'K':>3} {'layers':<16} {'stage bytes (GiB)':<36} {'peak GiB':>9} {'% of vanilla':>13} {'reduction':>10}")
             for k in stages:
-                layers = plan_stages(cfg, target, k, accounting=acc, layers_only=layers_only, **kw)
-                mem = stage_memory(cfg, layers, accounting=acc, layers_only=layers_only, **kw)
+                layers = plan_stages(cfg, target, k, **mkw, **kw)
+                mem = stage_memory(cfg, layers, **mkw, **kw)
                 print(f"{k:>3} {str(layers):<16} {' '.join(f'{m / 2**30:.3f}' for m in mem):<36} "
                       f"{max(mem) / 2**30:9.3f} {100 * max(mem) / vanilla:12.1f}% {100 * (1 - max(mem) / vanilla):9.1f}%")
 
@@ -357,6 +371,7 @@ def main(argv):
         p.add_argument("--rank", type=int, default=0, help="LoRA rank (default: the config's)")
         p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the config's data, e.g. 32000 for the paper's LLaMA tokenizer)")
         p.add_argument("--budget", type=float, default=0, help="bytes: report the smallest K that fits")
+        p.add_argument("--world", type=int, default=1, help="also per-rank bytes with ZeRO-1 (zero1=True) on N ranks")
         return _plan_cli(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="grow.py", description="grow a checkpoint in depth")
     p.add_argument("ckpt")

@@ -28,7 +28,7 @@ def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200,
 
 def main(argv):
     p = argparse.ArgumentParser(description="sample text from a checkpoint")
-    p.add_argument("--ckpt", default="out-step-small/ckpt.pt")
+    p.add_argument("--ckpt", default="out-step-small", help="a checkpoint file, or a run folder for its newest")
     p.add_argument("--prompt", default="\n", help="text, or FILE:path to read it from a file")
     p.add_argument("--max_new_tokens", type=int, default=300)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -23,11 +24,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grow
 import kernels
-from common import UserError, load_checkpoint, load_config, run_cli, save_checkpoint
+from common import (UserError, checkpoint_path, load_checkpoint, load_config, resume_checkpoint, run_cli,
+                    save_checkpoint)
 from model import GPT, padded_vocab, peak_flops
 from sample import sample_text
 
@@ -37,7 +40,7 @@ MODEL_KEYS = {"data_dir", "n_layer", "n_head", "n_embd", "ffn_hidden", "block_si
               "grow_where", "train_embeddings"}
 # keys that may differ between a run and its resume without changing what is computed
 RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_interval", "sample_tokens",
-             "out_dir", "stop_at"}
+             "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,10 +82,11 @@ def get_batch(data, split, batch_size, block_size, seed, device):
     return xy[:, :-1], xy[:, 1:]
 
 
-def batch_seed(seed, split, it, micro, rank):
-    # distinct, reproducible streams per (split, iteration, micro-step, rank); not hash(), which
-    # Python salts per process for strings
-    key = f"{seed}/{split}/{it}/{micro}/{rank}".encode()
+def batch_seed(seed, split, it, micro):
+    # one reproducible stream per (split, iteration, global micro-step): the same config trains on
+    # the same batches on 1 process or N ranks (rank r takes micro-steps r*A .. r*A+A-1). Not
+    # hash(), which Python salts per process for strings.
+    key = f"{seed}/{split}/{it}/{micro}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
@@ -98,19 +102,59 @@ def build_optimizer(model, cfg, device, previous=None):
     groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n], "weight_decay": cfg.weight_decay},
               {"params": [p for n, p in named if "lora_" in n], "weight_decay": cfg.lora_weight_decay},
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            fused=device.type == "cuda")
+    groups = [g for g in groups if g["params"]]
+    kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    if cfg.zero1 and dist.is_initialized():
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
+    else:
+        opt = torch.optim.AdamW(groups, **kw)
     if previous is not None:
-        for name, p in named:
-            if not name.startswith("layers.") and p in previous.state:
-                opt.state[p] = previous.state[p]
+        carry_state(previous, opt, [p for n, p in named if not n.startswith("layers.")])
     return opt
+
+
+def local_state(opt):
+    """The per-parameter state this rank holds: all of it, or under ZeRO-1 its own shard's."""
+    return opt.optim.state if isinstance(opt, ZeroRedundancyOptimizer) else opt.state
+
+
+def carry_state(old, new, params):
+    """Hand the AdamW state of `params` from the old optimizer to the new one. Under ZeRO-1 it lives
+    on the rank that owned the parameter before and goes to the rank that owns it now."""
+    if not isinstance(old, ZeroRedundancyOptimizer):
+        for p in params:
+            if p in old.state:
+                new.state[p] = old.state[p]
+        return
+    rank, fused = dist.get_rank(), new.optim.defaults.get("fused")
+    for p in params:
+        src = old._param_to_rank[p]
+        mine = old.optim.state.get(p) if rank == src else None
+        step = torch.tensor(float(mine["step"]) if mine else -1.0, dtype=torch.float64, device=p.device)
+        dist.broadcast(step, src)
+        if step.item() < 0:   # no state yet
+            continue
+        moments = {k: mine[k] if mine else torch.empty_like(p) for k in ("exp_avg", "exp_avg_sq")}
+        for t in moments.values():
+            dist.broadcast(t, src)
+        if new._param_to_rank[p] == rank:
+            new.optim.state[p] = {"step": torch.tensor(step.item(), dtype=torch.float32,
+                                                       device=p.device if fused else "cpu"), **moments}
+
+
+def optimizer_state_dict(opt):
+    """The full AdamW state dict (collective under ZeRO-1: every rank must call it). Plain AdamW and
+    ZeRO-1 use the same format, so a checkpoint resumes with zero1 on or off."""
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt.consolidate_state_dict(to=0)
+        return opt.state_dict() if dist.get_rank() == 0 else None
+    return opt.state_dict()
 
 
 def reset_adapter_state(model, opt):
     for name, p in model.named_parameters():
         if "lora_" in name:
-            opt.state.pop(p, None)
+            local_state(opt).pop(p, None)
 
 
 def get_lr(it, cfg, restarts, total):
@@ -128,7 +172,9 @@ def get_lr(it, cfg, restarts, total):
 
 @torch.no_grad()
 def estimate_loss(model, run):
-    """Mean loss on a fixed set of eval batches, split over ranks and all-reduced."""
+    """Mean loss on a fixed set of eval batches, split over ranks and all-reduced. `model` is not
+    the DDP wrapper: a rank with no batch (eval_iters < world) runs no forward, which under DDP
+    would leave the collectives unmatched."""
     cfg = run.cfg
     model.eval()
     out = {}
@@ -136,7 +182,7 @@ def estimate_loss(model, run):
         losses = []
         for k in range(run.rank, cfg.eval_iters, run.world):
             x, y = get_batch(run.data, split, cfg.batch_size, cfg.block_size,
-                             batch_seed(cfg.seed, "eval" + split, k, 0, 0), run.device)
+                             batch_seed(cfg.seed, "eval" + split, k, 0), run.device)
             with run.ctx:
                 losses.append(model(x, y)[1].float())
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=run.device)
@@ -213,12 +259,27 @@ class Run:
         return sum(self.stage_iters)
 
     @property
-    def ckpt_path(self):
-        return os.path.join(self.cfg.out_dir, "ckpt.pt")
+    def resuming(self):
+        return self.cfg.init_from in ("resume", "resume_previous")
 
     def stage_of(self, it):
         starts = [sum(self.stage_iters[:i]) for i in range(len(self.stage_iters))]
         return max(i for i, s in enumerate(starts) if s <= min(it, self.total_iters - 1))
+
+
+def check_out_dir(out_dir):
+    """out_dir must take files before any work is done; stale temp files of a killed save go."""
+    probe = os.path.join(out_dir, ".write-test")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir={out_dir!r} is not writable ({e.strerror or e}); choose another --out_dir")
+    for name in os.listdir(out_dir):
+        if name.endswith(".pt.tmp"):
+            os.remove(os.path.join(out_dir, name))
 
 
 def setup(cfg):
@@ -247,6 +308,8 @@ def setup(cfg):
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if rank == 0:
+        check_out_dir(cfg.out_dir)
 
     if not os.path.isfile(os.path.join(cfg.data_dir, "meta.json")) and cfg.data_dir.rstrip("/") == "data/shakespeare":
         if rank == 0:
@@ -270,19 +333,23 @@ def setup(cfg):
 
 
 def build(run):
-    """The model and optimizer: fresh, resumed (everything, from out_dir/ckpt.pt) or from a
-    checkpoint's weights (fresh optimizer and schedule). -> (model, optimizer, iteration, best val)."""
+    """The model and optimizer: fresh, resumed (everything, from out_dir's newest checkpoint, or
+    the one before it) or from a checkpoint's weights (fresh optimizer and schedule).
+    -> (model, optimizer, iteration, best val)."""
     cfg = run.cfg
-    os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt, it, best_val = None, 0, float("inf")
     if cfg.init_from == "scratch":
         torch.manual_seed(cfg.seed)
         model = GPT(grow.model_config(cfg, run.stage_layers[0], run.vocab_size))
     else:
-        path = run.ckpt_path if cfg.init_from == "resume" else cfg.init_from
-        ckpt = load_checkpoint(path)
+        if run.resuming:
+            path, ckpt = resume_checkpoint(cfg.out_dir, previous=cfg.init_from == "resume_previous")
+        else:
+            path, ckpt = cfg.init_from, load_checkpoint(cfg.init_from)
         model = GPT.from_checkpoint(ckpt, path)
-        if cfg.init_from == "resume":
+        if run.master:
+            print(f"{'resuming' if run.resuming else 'starting'} from {path} (step {ckpt.get('iter_num', 0)})")
+        if run.resuming:
             theirs = ckpt["config"]
             diff = [f"{k}={theirs.get(k)!r} (config says {v!r})" for k, v in asdict(cfg).items()
                     if k in MODEL_KEYS and theirs.get(k) != v]
@@ -299,14 +366,14 @@ def build(run):
         raise UserError(f"model vocab {model.config.vocab_size} does not match the data's {run.vocab_size}")
     model.to(run.device)
     opt = build_optimizer(model, cfg, run.device)
-    if cfg.init_from == "resume":
+    if run.resuming:
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         if run.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
         np.random.set_state(ckpt["rng"]["numpy"])
         random.setstate(ckpt["rng"]["python"])
-    run.log = Logger(cfg.out_dir, run.master, truncate_after=it if cfg.init_from == "resume" else None)
+    run.log = Logger(cfg.out_dir, run.master, truncate_after=it if run.resuming else None)
     return model, opt, it, best_val
 
 
@@ -368,29 +435,76 @@ def train_step(run, model, raw, opt, it):
     accum = cfg.gradient_accumulation_steps // run.world
     for micro in range(accum):
         x, y = get_batch(run.data, "train", cfg.batch_size, cfg.block_size,
-                         batch_seed(cfg.seed, "train", it, micro, run.rank), run.device)
-        sync = nullcontext() if run.world == 1 or micro == accum - 1 else model.no_sync()
-        with sync, run.ctx:
-            _, loss = model(x, y)
-        with sync:
+                         batch_seed(cfg.seed, "train", it, run.rank * accum + micro), run.device)
+        # DDP all-reduces the gradients in the last micro-step's backward only; no_sync() is a
+        # one-shot context, so it must hold the forward and the backward of one micro-step together
+        with model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
+            with run.ctx:
+                _, loss = model(x, y)
             (loss / accum).backward()
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     if not torch.isfinite(loss) or not torch.isfinite(norm):
         raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm {norm.item()}); stopped, "
-                        f"{run.ckpt_path} still holds the last good state: lower learning_rate and resume")
+                        f"the checkpoints in {cfg.out_dir} hold the last good state: lower learning_rate and resume")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm, lr
 
 
 def save(run, model, opt, it, best_val):
-    if not run.master:
+    """Every rank calls it (ZeRO-1 gathers the optimizer state); rank 0 writes out_dir/ckpt-<it>.pt."""
+    optimizer = optimizer_state_dict(opt)
+    if run.master:
+        save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
+            "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
+            "iter_num": it, "best_val_loss": best_val, "config": asdict(run.cfg), "meta": run.meta,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}},
+            keep=run.cfg.keep_checkpoints)
+    if run.world > 1:
+        dist.barrier()   # a save that failed on rank 0 must not leave the others training on
+
+
+def check_replicas(run, model, when):
+    """All ranks must hold bit-identical weights (DDP does not re-broadcast the int8 buffers:
+    broadcast_buffers=False). A digest of every parameter and buffer, compared across ranks."""
+    if run.world == 1:
         return
-    save_checkpoint(run.ckpt_path, {
-        "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": opt.state_dict(),
-        "iter_num": it, "best_val_loss": best_val, "config": asdict(run.cfg), "meta": run.meta,
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}})
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = [None] * run.world
+    dist.all_gather_object(digests, h.hexdigest())
+    if len(set(digests)) > 1:
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(f"ranks {bad} hold other weights than rank 0 {when}; the ranks diverged (a bug: please "
+                           f"report it with the config)")
+
+
+class StopRequest:
+    """SIGTERM or SIGINT (a pre-empted job, Ctrl-C) asks the loop to finish its step, save and exit
+    cleanly; under DDP the ranks agree on the step to stop at."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+    def requested(self, run):
+        flag = torch.tensor(float(self.signal is not None), device=run.device)
+        if run.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
 
 
 class Meter:
@@ -446,48 +560,65 @@ def train(cfg):
     if cfg.dry_run:
         return
 
-    def wrap(m):   # what the loop calls; DDP and compile must see each new parameter set
+    def wrap(m):
+        """-> (what a train step calls, what eval calls): compiled, and under DDP wrapped. DDP and
+        compile must see each new parameter set. DDP does not re-broadcast buffers: the frozen int8
+        weights are identical on every rank by construction, and check_replicas verifies it."""
         m = torch.compile(m) if run.use_compile else m
-        return DDP(m, device_ids=[run.device.index] if run.device.type == "cuda" else None) if run.world > 1 else m
+        if run.world == 1:
+            return m, m
+        return DDP(m, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                   broadcast_buffers=False), m
 
-    model = wrap(raw)
+    check_replicas(run, raw, "at the start")
+    model, evaluator = wrap(raw)
     if cfg.eval_only:
-        losses = estimate_loss(model, run)
+        losses = estimate_loss(evaluator, run)
         run.log.print(f"eval only | train {losses['train']:.4f} | val {losses['val']:.4f}")
         return
 
     meter = Meter(run)
-    resumed_at = it if cfg.init_from == "resume" else None
-    while True:
-        stage = run.stage_of(it)
-        if raw.config.n_layer < run.depth[stage]:
-            opt, merged = enter_stage(run, raw, opt, stage)
-            model, meter.flops_per_iter = wrap(raw), None
-            if merged:
+    resumed_at = it if run.resuming else None
+    with StopRequest() as stop:
+        while True:
+            stage = run.stage_of(it)
+            if raw.config.n_layer < run.depth[stage]:
+                opt, merged = enter_stage(run, raw, opt, stage)
+                check_replicas(run, raw, f"after the growth at step {it}")
+                (model, evaluator), meter.flops_per_iter = wrap(raw), None
+                if merged:
+                    run.log.record(step=it, stage=stage + 1, merge_kept=merged.kept, merge_error=merged.error)
+            elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
+                merged = relora_restart(run, raw, opt, it)
+                check_replicas(run, raw, f"after the ReLoRA restart at step {it}")
                 run.log.record(step=it, stage=stage + 1, merge_kept=merged.kept, merge_error=merged.error)
-        elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
-            merged = relora_restart(run, raw, opt, it)
-            run.log.record(step=it, stage=stage + 1, merge_kept=merged.kept, merge_error=merged.error)
 
-        last = it == run.total_iters or it == cfg.stop_at > 0
-        if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
-            losses = estimate_loss(model, run)
-            best_val = min(best_val, losses["val"])
-            if it > 0:
+            last = it == run.total_iters or it == cfg.stop_at > 0
+            if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
+                losses = estimate_loss(evaluator, run)
+                best_val = min(best_val, losses["val"])
+                if it > 0:
+                    save(run, raw, opt, it, best_val)
+                run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val {losses['val']:.4f} "
+                              f"(best {best_val:.4f})" + (" | ckpt saved" if it > 0 else ""))
+                run.log.record(step=it, stage=stage + 1, train_loss=losses["train"], val_loss=losses["val"])
+            if it == cfg.stop_at > 0:
+                run.log.print(f"stopped at step {it} (stop_at); continue with --init_from=resume")
+                return
+            if last:
+                break
+
+            loss, norm, lr = train_step(run, model, raw, opt, it)
+            it += 1
+            if cfg.sync_check_every and it % cfg.sync_check_every == 0:
+                check_replicas(run, raw, f"after step {it}")
+            if it % cfg.log_interval == 0:
+                meter.log(it, stage, raw, loss, norm, lr)
+            if stop.requested(run):
                 save(run, raw, opt, it, best_val)
-            run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val {losses['val']:.4f} "
-                          f"(best {best_val:.4f})" + (" | ckpt saved" if it > 0 else ""))
-            run.log.record(step=it, stage=stage + 1, train_loss=losses["train"], val_loss=losses["val"])
-        if it == cfg.stop_at > 0:
-            run.log.print(f"stopped at step {it} (stop_at); continue with --init_from=resume")
-            return
-        if last:
-            break
-
-        loss, norm, lr = train_step(run, model, raw, opt, it)
-        it += 1
-        if it % cfg.log_interval == 0:
-            meter.log(it, stage, raw, loss, norm, lr)
+                run.log.print(f"stopped by {stop.signal or 'a signal to another rank'} after step {it}: saved "
+                              f"{checkpoint_path(cfg.out_dir, it)}; continue with --init_from=resume")
+                return
 
     device = run.device
     run.log.print(f"done: {run.total_iters} iters, {run.total_iters * run.tokens_per_iter:,} tokens in "

@@ -251,3 +251,13 @@ def test_plan_cli_says_where_the_vocabulary_comes_from(tmp_path, capsys):
     cfg.write_text(f"data_dir = {data!r}\nstage_layers = [2, 2]\nvocab_size = 32000\n")
     with pytest.raises(UserError, match="holds a 300-token vocabulary but the config is for vocab_size=32000"):
         grow.main(["plan", str(cfg)])
+
+
+def test_zero1_divides_only_the_optimizer_share_over_the_ranks():
+    cfg = tiny_config(lora_rank=4, frozen_layers=(0,))
+    weights, rows, norms, adapter = grow.layer_counts(cfg)
+    assert grow.trainable_bytes("int8", 1) == 16 and grow.trainable_bytes("int8", 4) == 8 + 8 / 4
+    assert grow.trainable_bytes("bf16", 4) == 4 + 12 / 4          # the paper's bf16 weight + grad stay whole
+    per_rank = grow.state_bytes(cfg, accounting="int8", zero_world=4)
+    outside = grow.outside_params(cfg)
+    assert per_rank == int(10 * (weights + norms + adapter + outside) + weights + 4 * rows + 4 * norms)

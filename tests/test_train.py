@@ -11,7 +11,7 @@ import torch
 
 import grow
 import train
-from common import UserError, load_config
+from common import UserError, checkpoint_files, load_checkpoint, load_config
 from model import GPT
 from tests.helpers import tiny_config, write_dataset
 
@@ -31,7 +31,7 @@ def metrics(tmp_path):
 
 
 def final_state(tmp_path):
-    return torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)
+    return load_checkpoint(str(tmp_path / "out"))
 
 
 def run_cli(*argv):
@@ -91,7 +91,7 @@ def test_dry_run_prints_and_trains_nothing(tmp_path, capsys):
     train.main(args(tmp_path, "--dry_run=True", "--stage_layers=[1, 1]", "--max_iters=10"))
     out = capsys.readouterr().out
     assert "tokens/iter" in out and "1 + 1 layers" in out and "n/a" in out
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    assert not checkpoint_files(str(tmp_path / "out"))
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -161,8 +161,10 @@ def test_cli_bad_inputs(tmp_path):
     data = write_dataset(tmp_path / "data")
     one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no checkpoint")
     os.makedirs(tmp_path / "out", exist_ok=True)
-    (tmp_path / "out" / "ckpt.pt").write_bytes(b"not a checkpoint at all")
-    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "unreadable")
+    (tmp_path / "out" / "ckpt-00000010.pt").write_bytes(b"not a checkpoint at all")
+    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no step-gpt header")
+    one_line_error(run_cli(*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out' / 'ckpt-00000010.pt' / 'sub'}"),
+                   "is not writable")
 
 
 def test_resume_with_another_model_config_is_refused(tmp_path):
@@ -172,19 +174,26 @@ def test_resume_with_another_model_config_is_refused(tmp_path):
         train.main(args(tmp_path, "--max_iters=4", "--init_from=resume", "--n_embd=48", data=data))
 
 
-def test_truncated_checkpoint_is_refused(tmp_path):
+def test_damaged_newest_checkpoint_is_reported_and_the_previous_used_only_when_asked(tmp_path, capsys):
     data = write_dataset(tmp_path / "data")
-    train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", data=data))
-    path = tmp_path / "out" / "ckpt.pt"
-    path.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(UserError, match="unreadable"):
-        train.main(args(tmp_path, "--max_iters=4", "--init_from=resume", data=data))
+    train.main(args(tmp_path, "--max_iters=6", "--eval_interval=2", "--keep_checkpoints=2", data=data))
+    files = checkpoint_files(str(tmp_path / "out"))
+    assert [os.path.basename(f) for f in files] == ["ckpt-00000006.pt", "ckpt-00000004.pt"]   # the newest 2 kept
+    whole = open(files[0], "rb").read()
+    for damaged in (whole[:-1000], whole[:-1000] + bytes(1000), whole[:200] + bytes([whole[200] ^ 1]) + whole[201:]):
+        open(files[0], "wb").write(damaged)        # truncated, zero-filled tail, one flipped bit
+        with pytest.raises(UserError, match=r"ckpt-00000006.pt is unusable \(checksum mismatch.*ckpt-00000004.pt, "
+                                            r"with --init_from=resume_previous"):
+            train.main(args(tmp_path, "--max_iters=6", "--init_from=resume", data=data))
+    capsys.readouterr()
+    train.main(args(tmp_path, "--max_iters=6", "--init_from=resume_previous", data=data))
+    assert "resuming from" in capsys.readouterr().out and final_state(tmp_path)["iter_num"] == 6
 
 
 def test_sample_grow_and_plan_clis(tmp_path):
     data = write_dataset(tmp_path / "data", vocab=300)     # 299 BPE ranks + <|endoftext|>: a real tokenizer
     train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--n_layer=2", data=data))
-    ckpt = str(tmp_path / "out" / "ckpt.pt")
+    ckpt = str(tmp_path / "out")                           # a run folder: its newest checkpoint
     proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={ckpt}", "--max_new_tokens=20", "--prompt=To be"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("To be") and len(proc.stdout) > len("To be"), proc.stderr
@@ -193,23 +202,10 @@ def test_sample_grow_and_plan_clis(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "from 2 to 4 layers" in proc.stdout, proc.stderr
     # upper placement with as many new layers as old: one above each old layer
-    assert tuple(torch.load(grown, weights_only=False)["model_args"]["frozen_layers"]) == (0, 2)
+    assert tuple(load_checkpoint(grown)["model_args"]["frozen_layers"]) == (0, 2)
     out2 = tmp_path / "from_grown"
     train.main(args(out2, "--max_iters=4", "--eval_interval=2", f"--init_from={grown}", data=data))
     assert final_state(out2)["model_args"]["n_layer"] == 4
     proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 accounting" in proc.stdout, proc.stderr
-
-
-def test_ddp_two_cpu_processes(tmp_path):
-    """torchrun with gloo: two ranks train through a growth boundary and rank 0 saves."""
-    data = write_dataset(tmp_path / "data")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *args(tmp_path, "--stage_layers=[1, 1]", "--max_iters=6", "--eval_interval=3",
-                                             "--gradient_accumulation_steps=2", data=data)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "world size : 2" in proc.stdout and proc.stdout.count("== stage 2/2") == 1   # rank 0 logs alone
-    state = final_state(tmp_path)
-    assert state["iter_num"] == 6 and state["model_args"]["n_layer"] == 2

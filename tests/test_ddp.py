@@ -1,0 +1,147 @@
+"""DDP with torchrun on 2 CPU ranks (gloo): the same config on 1 process and on 2 ranks is the same
+run, ranks never diverge, checkpoints move between world sizes, ZeRO-1 changes nothing but memory,
+and every shipped config's accumulation pattern runs. What this cannot test here: NCCL on GPUs."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import load_checkpoint, load_config
+from tests.helpers import write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 2 micro-steps per rank on 2 ranks (4 in all), a growth at step 6, ReLoRA restarts at 8 and 10
+TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2", "--lora_rank=4",
+        "--eval_iters=3", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2", "--stage_warmup_iters=2",
+        "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", "--relora_every=2",
+        "--gradient_accumulation_steps=4", "--sync_check_every=1"]
+
+
+def launch(out, data, *extra, nproc=1, script="train.py", timeout=300):
+    """train.py (or a wrapper script) on 1 process, or under torchrun on `nproc` gloo ranks."""
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+           if nproc > 1 else [sys.executable])
+    proc = subprocess.run(cmd + [script, *TINY, f"--data_dir={data}", f"--out_dir={out}", *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def final_val(out):
+    return load_checkpoint(str(out))["best_val_loss"], load_checkpoint(str(out))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One straight run on 1 process and one on 2 ranks, shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    data = write_dataset(tmp / "data")
+    ok(launch(tmp / "one", data))
+    two = ok(launch(tmp / "two", data, nproc=2))
+    return tmp, data, two
+
+
+def assert_same_run(a, b, atol):
+    ca, cb = load_checkpoint(str(a)), load_checkpoint(str(b))
+    assert ca["iter_num"] == cb["iter_num"] == 12
+    assert abs(ca["best_val_loss"] - cb["best_val_loss"]) < 1e-3
+    assert ca["model"].keys() == cb["model"].keys()
+    for k in ca["model"]:
+        torch.testing.assert_close(ca["model"][k].float(), cb["model"][k].float(), atol=atol, rtol=0, msg=k)
+
+
+def test_two_ranks_compute_what_one_process_computes(runs):
+    tmp, _, two = runs
+    assert "world size : 2" in two and two.count("== stage 2/2") == 1 and two.count("ReLoRA restart") == 2
+    assert_same_run(tmp / "one", tmp / "two", atol=1e-4)
+
+
+def test_checkpoints_move_between_world_sizes(runs):
+    tmp, data, _ = runs
+    ok(launch(tmp / "two-then-one", data, "--stop_at=7", nproc=2))       # mid stage 2, between restarts
+    ok(launch(tmp / "two-then-one", data, "--init_from=resume"))
+    assert_same_run(tmp / "one", tmp / "two-then-one", atol=1e-4)
+    ok(launch(tmp / "one-then-two", data, "--stop_at=5"))
+    ok(launch(tmp / "one-then-two", data, "--init_from=resume", nproc=2))
+    assert_same_run(tmp / "one", tmp / "one-then-two", atol=1e-4)
+
+
+def test_zero1_computes_the_same_run(runs):
+    tmp, data, _ = runs
+    out = ok(launch(tmp / "zero1", data, "--zero1=True", nproc=2))
+    assert "zero1 : True" in out
+    assert_same_run(tmp / "two", tmp / "zero1", atol=0)                 # AdamW is elementwise: bit for bit
+    # a ZeRO-1 checkpoint holds the full optimizer state, so it resumes without ZeRO too
+    ok(launch(tmp / "zero1-resumed", data, "--zero1=True", "--stop_at=7", nproc=2))
+    ok(launch(tmp / "zero1-resumed", data, "--init_from=resume"))
+    assert_same_run(tmp / "one", tmp / "zero1-resumed", atol=1e-4)
+
+
+def test_diverged_ranks_are_stopped_with_a_clear_error(runs, tmp_path):
+    """A growth that goes differently on rank 1 (as a rank-local RNG once made ReLoRA's restarts do)."""
+    _, data, _ = runs
+    wrapper = tmp_path / "diverge.py"
+    wrapper.write_text(
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import grow, train\n"
+        "real = grow.next_stage\n"
+        "def next_stage(model, *a, **k):\n"
+        "    out = real(model, *a, **k)\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        with torch.no_grad():\n"
+        "            model.layers[0].attn.q.weight_scale[0] *= 1.0001\n"
+        "    return out\n"
+        "grow.next_stage = next_stage\n"
+        "train.main(sys.argv[1:])\n")
+    proc = launch(tmp_path / "out", data, nproc=2, script=str(wrapper))
+    assert proc.returncode != 0
+    assert "ranks [1] hold other weights than rank 0 after the growth at step 6" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["step_small", "vanilla_small", "step_350m", "vanilla_350m", "step_1b", "vanilla_1b"])
+def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
+    """Each config's micro-steps per rank at the world size the README runs it with (8 GPUs for
+    350M and 1B, 1 process for small), here on 2 ranks; the model scaled down, eval_iters below the
+    world size (a rank with no eval batch once hung the collectives)."""
+    _, data, _ = runs
+    cfg = load_config([os.path.join(ROOT, "config", f"{name}.py")])
+    per_rank = max(1, cfg.gradient_accumulation_steps // (8 if "small" not in name else 1))
+    tokens = 2 * 16 * 2 * per_rank * 2                            # two iterations per stage
+    stages = len(cfg.stage_layers) or (cfg.n_stages if cfg.target_layers else 1)
+    depth = dict(target_layers=3 * stages) if cfg.target_layers else dict(stage_layers=[1] * stages)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+         f"config/{name}.py", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",
+         "--lora_rank=4", "--vocab_size=0", f"--data_dir={data}", f"--out_dir={tmp_path}", "--eval_iters=1",
+         "--eval_interval=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=1", "--stage_warmup_iters=1",
+         f"--gradient_accumulation_steps={2 * per_rank}", f"--stage_tokens={[tokens] * stages}",
+         *[f"--{k}={v}" for k, v in depth.items()]],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert load_checkpoint(str(tmp_path))["iter_num"] == 2 * stages
+
+
+def test_multi_node_command_with_two_nodes_on_localhost(runs, tmp_path):
+    """The README's two-node torchrun commands (c10d rendezvous), scaled down to 1 process per node,
+    both nodes on this machine."""
+    import socket
+    _, data, _ = runs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+              "--rdzv_id=test"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={rank}",
+                               "train.py", *TINY, f"--data_dir={data}", f"--out_dir={tmp_path}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "world size : 2" in outs[0][0] and load_checkpoint(str(tmp_path))["iter_num"] == 12

@@ -1,0 +1,159 @@
+"""Faults a long run survives: SIGTERM/SIGINT (pre-emption), SIGKILL at any moment (also while a
+checkpoint is being written), a full disk at save time. Every resumed run must end bit for bit where
+a run that was never interrupted ends (CPU)."""
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import train
+from common import UserError, checkpoint_files, load_checkpoint
+from tests.helpers import write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--lora_rank=4",
+       "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3", "--stage_warmup_iters=2",
+       "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6", "--relora_every=7", "--keep_checkpoints=2"]
+# a wrapper that makes checkpoint writes slow and announces them, so a kill can land inside one
+# (the first save of each process only, to keep the test short)
+SLOW_SAVE = (
+    "import os, sys, time\n"
+    f"sys.path.insert(0, {ROOT!r})\n"
+    "import common, train\n"
+    "write, saves = common._HashingWriter.write, []\n"
+    "def slow(self, b):\n"
+    "    if not saves:\n"
+    "        open(os.environ['SAVE_MARK'], 'w').close()\n"
+    "        time.sleep(0.02)\n"
+    "    return write(self, b)\n"
+    "save = train.save_checkpoint\n"
+    "def counted(*a, **k):\n"
+    "    save(*a, **k)\n"
+    "    saves.append(1)\n"
+    "common._HashingWriter.write, train.save_checkpoint = slow, counted\n"
+    "common.run_cli(train.main)\n")
+
+
+def same_final_state(a, b):
+    ca, cb = load_checkpoint(str(a)), load_checkpoint(str(b))
+    assert ca["iter_num"] == cb["iter_num"] == 40
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    data = write_dataset(tmp / "data")
+    train.main(RUN + [f"--data_dir={data}", f"--out_dir={tmp / 'straight'}"])
+    return tmp, data
+
+
+def start(out, data, script, env=None):
+    init = "--init_from=resume" if checkpoint_files(str(out)) else "--init_from=scratch"
+    return subprocess.Popen([sys.executable, script, *RUN, f"--data_dir={data}", f"--out_dir={out}", init],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_step(proc, step):
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
+    _, data = straight
+    out = tmp_path / "out"
+    proc = start(out, data, "train.py")
+    assert wait_for_step(proc, 9)
+    proc.send_signal(sig)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    line = [l for l in rest.splitlines() if l.startswith("stopped by")][0]
+    assert f"stopped by {signal.Signals(sig).name} after step" in line and "--init_from=resume" in line
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert 9 <= step < 40 and load_checkpoint(str(out))["iter_num"] == step
+    proc = start(out, data, "train.py")
+    proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    same_final_state(straight[0] / "straight", out)
+
+
+def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
+    """Killed at random steps and twice while a checkpoint is half written; each time resumed."""
+    _, data = straight
+    out, mark = tmp_path / "out", tmp_path / "saving"
+    wrapper = tmp_path / "slow_save.py"
+    wrapper.write_text(SLOW_SAVE)
+    env = {**os.environ, "SAVE_MARK": str(mark)}
+    rng = random.Random(0)
+    kills, torn = 0, 0
+    for kind in ["step", "save", "step", "save", "step"]:
+        proc = start(out, data, str(wrapper), env)
+        if kind == "save":
+            while not mark.exists() and proc.poll() is None:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.05, 0.3))          # somewhere inside the write
+        else:
+            wait_for_step(proc, rng.randint(1, 35))
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.communicate()
+        if kind == "save":
+            torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the kill landed inside a write
+        if mark.exists():
+            mark.unlink()
+    assert kills >= 4 and torn == 2
+    proc = start(out, data, "train.py")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    same_final_state(straight[0] / "straight", out)
+
+
+def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straight, tmp_path, monkeypatch):
+    _, data = straight
+    out = tmp_path / "out"
+    write, saves = common._HashingWriter.write, []
+
+    def disk_fills_up(self, b):
+        if len(saves) >= 2:                                 # the third save runs out of space half way
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, b)
+
+    real_save = common.save_checkpoint
+
+    def counting_save(path, state, keep=0):
+        try:
+            return real_save(path, state, keep)
+        finally:
+            saves.append(path)
+
+    monkeypatch.setattr(common._HashingWriter, "write", disk_fills_up)
+    monkeypatch.setattr(train, "save_checkpoint", counting_save)
+    with pytest.raises(UserError, match=r"could not write checkpoint .*ckpt-00000018.pt \(No space left on device\); "
+                                        r".*ckpt-00000012.pt is intact: free space, then resume"):
+        train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}"])
+    assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "ckpt-00000012.pt", "metrics.jsonl"]   # no temp file
+    assert load_checkpoint(str(out))["iter_num"] == 12
+
+
+def test_unwritable_out_dir_is_one_line_before_any_work(straight, tmp_path):
+    _, data = straight
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the folder should be")
+    proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}", f"--out_dir={blocker / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "is not writable" in proc.stderr and "choose another --out_dir" in proc.stderr
