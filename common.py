@@ -72,6 +72,7 @@ class TrainConfig:
     relora_every: int = 0               # >0: merge + restart adapters every this many iters of a stage
     merge_rounding: str = "nearest"     # nearest | stochastic: how a merge re-quantises W + s*B*A
     # optimisation
+    optimizer: str = "adamw"            # adamw (fp32 state)
     batch_size: int = 16
     gradient_accumulation_steps: int = 1
     max_iters: int = 1000
@@ -92,7 +93,8 @@ class TrainConfig:
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
 
 
-CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic")}
+CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
+           "optimizer": ("adamw",)}
 AT_LEAST_ONE = ("batch_size", "gradient_accumulation_steps", "block_size", "eval_interval", "eval_iters",
                 "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "lora_rank", "keep_checkpoints")
 NOT_NEGATIVE = ("vocab_size", "sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
