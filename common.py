@@ -59,20 +59,30 @@ class TrainConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    lora_rank: int = 16
+    lora_rank: int = 16                 # adapters on frozen layers (0: none, the paper's ablation)
     lora_alpha: float = 32.0
+    frozen_dtype: str = "int8"          # frozen linears in int8 + row scale (ours) or bf16 (the paper's)
     # STEP stages
-    stage_layers: list = field(default_factory=list)  # layers added per stage, e.g. [4, 4]; [] = vanilla n_layer
+    stage_layers: list = field(default_factory=list)  # layers added per stage, e.g. [4, 4]; [] = vanilla n_layer;
+                                        # a later stage may add 0: it only freezes (ReLoRA: [6, 0])
     target_layers: int = 0              # or plan: final depth L split into n_stages by grow.plan_stages
     n_stages: int = 1
     stage_tokens: list = field(default_factory=list)  # token budget per stage; [] = max_iters split evenly
+    grow_at: float = 1.0                # a stage ends after this share of its budget (the paper: 0.75), the rest
+                                        # moves to the next stage
     grow_init: str = "mean"             # mean | copy | zero | stack
     grow_where: str = "upper"           # upper | lower | interleave | random
     train_embeddings: bool = True       # embeddings, final norm and head trainable in every stage
     relora_every: int = 0               # >0: merge + restart adapters every this many iters of a stage
+    relora_prune: float = 1.0           # share of the adapters' AdamW moments zeroed (by magnitude) at a
+                                        # restart: 1 = reset them (STEP's default), ReLoRA's paper ~0.99
     merge_rounding: str = "nearest"     # nearest | stochastic: how a merge re-quantises W + s*B*A
     # optimisation
-    optimizer: str = "adamw"            # adamw (fp32 state)
+    optimizer: str = "adamw"            # adamw (fp32 state) | galore (pip install galore-torch: GaLore's AdamW
+                                        # on the layers' matrices)
+    galore_rank: int = 128
+    galore_update_proj_gap: int = 200
+    galore_scale: float = 0.25
     batch_size: int = 16
     gradient_accumulation_steps: int = 1
     max_iters: int = 1000
@@ -94,12 +104,13 @@ class TrainConfig:
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
-           "optimizer": ("adamw",)}
+           "optimizer": ("adamw", "galore"), "frozen_dtype": ("int8", "bf16")}
 AT_LEAST_ONE = ("batch_size", "gradient_accumulation_steps", "block_size", "eval_interval", "eval_iters",
-                "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "lora_rank", "keep_checkpoints")
-NOT_NEGATIVE = ("vocab_size", "sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
+                "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "keep_checkpoints", "galore_rank",
+                "galore_update_proj_gap")
+NOT_NEGATIVE = ("lora_rank", "vocab_size", "sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
                 "sample_tokens", "ffn_hidden", "target_layers", "max_iters", "min_lr", "weight_decay", "lora_weight_decay", "grad_clip")
-POSITIVE = ("learning_rate", "lora_alpha", "rope_theta", "norm_eps")
+POSITIVE = ("learning_rate", "lora_alpha", "rope_theta", "norm_eps", "galore_scale")
 
 
 def _coerce(key, value, default):
@@ -165,6 +176,10 @@ def validate(cfg):
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, key) < 1:
             raise UserError(f"{key}={getattr(cfg, key)} must be in [0, 1), e.g. 0.9 or 0.95")
+    if not 0 < cfg.grow_at <= 1:
+        raise UserError(f"grow_at={cfg.grow_at} must be in (0, 1]: the share of a stage's budget before the next begins")
+    if not 0 <= cfg.relora_prune <= 1:
+        raise UserError(f"relora_prune={cfg.relora_prune} must be in [0, 1]")
     if cfg.min_lr > cfg.learning_rate:
         raise UserError(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}; the cosine decays down to min_lr")
     for key, options in CHOICES.items():

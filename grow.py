@@ -25,7 +25,7 @@ from common import UserError, load_checkpoint, load_config, run_cli, save_checkp
 from model import GPT, LINEARS, RESIDUAL_OUT, Block, GPTConfig, dense_weight, padded_vocab
 
 INITS = ("mean", "copy", "zero", "stack")
-PLACEMENTS = ("upper", "lower", "interleave", "random")
+PLACEMENTS = ("upper", "intermediate", "lower", "interleave", "random")
 TRAINABLE_BYTES = 16
 
 
@@ -36,8 +36,8 @@ def check_stages(cfg):
     """The STEP keys of a run config (common.TrainConfig), checked before any work is done."""
     if cfg.grow_init not in INITS or cfg.grow_where not in PLACEMENTS:
         raise UserError(f"grow_init must be one of {INITS} and grow_where one of {PLACEMENTS}")
-    if cfg.stage_layers and any(not isinstance(n, int) or n < 1 for n in cfg.stage_layers):
-        raise UserError(f"stage_layers={cfg.stage_layers}: every stage must add at least one layer")
+    if cfg.stage_layers and (any(not isinstance(n, int) or n < 0 for n in cfg.stage_layers) or cfg.stage_layers[0] < 1):
+        raise UserError(f"stage_layers={cfg.stage_layers}: the first stage needs at least one layer, later ones 0 or more")
     if cfg.stage_layers and cfg.target_layers and sum(cfg.stage_layers) != cfg.target_layers:
         raise UserError(f"stage_layers={cfg.stage_layers} sum to {sum(cfg.stage_layers)}, "
                         f"not target_layers={cfg.target_layers}; fix one of them")
@@ -48,7 +48,7 @@ def check_stages(cfg):
     if cfg.stage_tokens and len(cfg.stage_tokens) != stage_count(cfg):
         raise UserError(f"stage_tokens has {len(cfg.stage_tokens)} entries for {stage_count(cfg)} stages")
     if stage_count(cfg) > 1 and cfg.lora_rank > cfg.n_embd:
-        raise UserError(f"lora_rank={cfg.lora_rank} must be between 1 and n_embd={cfg.n_embd}")
+        raise UserError(f"lora_rank={cfg.lora_rank} must be between 0 (no adapters) and n_embd={cfg.n_embd}")
 
 
 def stage_count(cfg):
@@ -84,6 +84,11 @@ def stage_plan(cfg, vocab_size, tokens_per_iter):
             raise UserError(f"max_iters={cfg.max_iters} is fewer than the {k} stages")
         iters = [cfg.max_iters // k] * k
         iters[-1] += cfg.max_iters - sum(iters)
+    # grow_at < 1 (our reading of the paper's "grow when 75% of each stage's steps are done"):
+    # stage i ends after grow_at of its own budget; the steps it leaves go to the stages after it
+    ends = [sum(iters[:i]) + round(cfg.grow_at * n) for i, n in enumerate(iters[:-1])] + [sum(iters)]
+    starts = [0] + ends[:-1]
+    iters = [max(1, e - s) for s, e in zip(starts, ends)]
     return layers, iters
 
 
@@ -206,43 +211,44 @@ def measure_cpu_memory(fn):
 # growth operators
 
 def insertion_gaps(n_old, n_new, where, seed=0):
-    """For each new layer, the old layer it goes right above (sorted). 'upper' fills the gaps above
-    the top layers first, 'lower' those above the bottom ones, 'interleave' spreads them evenly,
-    'random' draws them (seeded). More new layers than gaps wrap around."""
-    if where == "upper":
-        gaps = [n_old - 1 - (j % n_old) for j in range(n_new)]
-    elif where == "lower":
-        gaps = [j % n_old for j in range(n_new)]
-    elif where == "interleave":
-        gaps = [min(n_old - 1, (j + 1) * n_old // n_new - 1) if n_new <= n_old else j % n_old for j in range(n_new)]
-    elif where == "random":
-        perm = torch.randperm(n_old, generator=torch.Generator().manual_seed(seed)).tolist()
-        gaps = [perm[j % n_old] for j in range(n_new)]
-    else:
+    """For each new layer, the old layer it goes right above (sorted).
+
+    The paper's ablation compares upper, intermediate, lower and random placement without defining
+    the regions; ours split the old stack's gaps (one above each old layer, the topmost above the
+    top layer) into thirds, so the three regions are apart at any depth of 3 or more. The new layers
+    spread evenly over their region's gaps, several per gap where there are more new layers than
+    gaps, the surplus towards the top. 'interleave' spreads them over every gap (LLaMA-Pro's block
+    expansion), 'random' puts each into a gap drawn uniformly (seeded)."""
+    if where == "random":
+        return sorted(torch.randint(n_old, (n_new,), generator=torch.Generator().manual_seed(seed)).tolist())
+    if where not in PLACEMENTS:
         raise UserError(f"where={where!r}: use one of {PLACEMENTS}")
-    return sorted(gaps)
+    size = n_old if where == "interleave" else max(1, math.ceil(n_old / 3))
+    first = {"upper": n_old - size, "intermediate": (n_old - size) // 2}.get(where, 0)
+    return [first + min(size - 1, ((j + 1) * size - 1) // n_new) for j in range(n_new)]
 
 
-def _new_block(cfg, sources, init):
-    """A trainable block whose tensors are the mean of the source blocks' (dense) tensors."""
+def _new_block(cfg, sources, weights, init):
+    """A trainable block whose tensors are the weighted sum of the source blocks' (dense) tensors."""
     block = Block(cfg)
     with torch.no_grad():
         for name in LINEARS:
-            w = sum(dense_weight(s.linear(name)) for s in sources) / len(sources)
-            block.linear(name).weight.copy_(w)
+            block.linear(name).weight.copy_(sum(w * dense_weight(s.linear(name)) for s, w in zip(sources, weights)))
             if init == "zero" and name in RESIDUAL_OUT:
                 block.linear(name).weight.zero_()   # the block adds nothing to the residual stream
         for norm in ("attn_norm", "mlp_norm"):
-            getattr(block, norm).weight.copy_(sum(getattr(s, norm).weight for s in sources) / len(sources))
+            getattr(block, norm).weight.copy_(sum(w * getattr(s, norm).weight for s, w in zip(sources, weights)))
     return block.to(sources[0].attn_norm.weight.device)
 
 
 def grow(model, n_new, init="mean", where="upper", seed=0):
     """Insert n_new trainable layers into model in place; returns their indices in the new stack.
-    mean: between layers i and i+1 the mean of the two (above the top layer, a copy of it);
-    copy: a copy of the layer below; zero: copy with attention-out and MLP-down zeroed, so the
-    grown model computes exactly the small model's function; stack: layers 0..n_new-1 repeated on
-    top (G_stack; n_new = L doubles the stack), `where` is ignored."""
+    mean (the paper's Interpolation-Mean): one new layer between old layers i and i+1 is their mean;
+    k new layers in that gap interpolate, the j-th = (1 - j/(k+1)) layer i + j/(k+1) layer i+1;
+    above the top layer, copies of it. copy: copies of the layer below; zero: copy with
+    attention-out and MLP-down zeroed, so the grown model computes exactly the small model's
+    function; stack: layers 0..n_new-1 repeated on top (G_stack; n_new = L doubles the stack),
+    `where` is ignored."""
     if init not in INITS:
         raise UserError(f"init={init!r}: use one of {INITS}")
     if n_new < 1:
@@ -251,16 +257,17 @@ def grow(model, n_new, init="mean", where="upper", seed=0):
     L = len(old)
     cfg = copy.copy(model.config)
     cfg.n_layer = L + n_new
-    order, new_idx = [], []   # order: (old index, None) for kept layers, (None, block) for new ones
+    order = []   # (old index, None) for kept layers, (None, block) for new ones
     if init == "stack":
-        order = [(i, None) for i in range(L)] + [(None, _new_block(cfg, [old[j % L]], "copy")) for j in range(n_new)]
+        order = [(i, None) for i in range(L)] + [(None, _new_block(cfg, [old[j % L]], [1.0], "copy")) for j in range(n_new)]
     else:
         gaps = insertion_gaps(L, n_new, where, seed)
         for i in range(L):
             order.append((i, None))
-            for _ in range(gaps.count(i)):
-                sources = [old[i], old[i + 1]] if init == "mean" and i + 1 < L else [old[i]]
-                order.append((None, _new_block(cfg, sources, init)))
+            k = gaps.count(i)
+            for j in range(1, k + 1):
+                t = j / (k + 1) if init == "mean" and i + 1 < L else 0.0
+                order.append((None, _new_block(cfg, [old[i], old[min(i + 1, L - 1)]], [1 - t, t], init)))
     frozen = set(model.config.frozen_layers)
     cfg.frozen_layers = tuple(k for k, (i, _) in enumerate(order) if i is not None and i in frozen)
     new_idx = [k for k, (i, _) in enumerate(order) if i is None]
@@ -277,11 +284,11 @@ def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embedding
     -> (indices of the new layers, MergeStats of the merge, or None when nothing was merged)."""
     g = torch.Generator().manual_seed(seed)
     merged = sum(model.layers[i].merge_adapters(rounding, g) for i in model.config.frozen_layers) or None
-    new_idx = grow(model, n_new, init, where, seed)
+    new_idx = grow(model, n_new, init, where, seed) if n_new else []   # 0: freeze only (ReLoRA's second phase)
     cfg = model.config
     for i, block in enumerate(model.layers):
         if i not in new_idx and not block.frozen:
-            block.freeze(cfg.lora_rank, cfg.lora_alpha, g)
+            block.freeze(cfg.lora_rank, cfg.lora_alpha, g, cfg.frozen_dtype)
     cfg.frozen_layers = tuple(i for i in range(cfg.n_layer) if i not in new_idx)
     if not train_embeddings:
         model.freeze_embeddings()

@@ -1,4 +1,4 @@
-"""A LLaMA-style decoder in one file, with frozen int8 + LoRA layers for STEP.
+"""A LLaMA-style decoder in one file, with frozen (int8 or bf16) + LoRA layers for STEP.
 
 References: nanoGPT's model.py (structure), LLaMA (RMSNorm pre-norm, RoPE, SwiGLU, no biases),
 LoRA (Hu et al. 2022) and ReLoRA (merge-and-reinit) for the adapters, STEP (Yano et al., NAACL
@@ -29,9 +29,10 @@ class GPTConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    lora_rank: int = 16             # adapters on frozen layers: rank r and alpha (scale alpha/r)
+    lora_rank: int = 16             # adapters on frozen layers: rank r (0: none) and alpha (scale alpha/r)
     lora_alpha: float = 32.0
-    frozen_layers: tuple = field(default_factory=tuple)  # indices of int8 + LoRA layers
+    frozen_dtype: str = "int8"      # how frozen linears are stored: int8 + row scale (ours) or bf16 (the paper's)
+    frozen_layers: tuple = field(default_factory=tuple)  # indices of frozen (+ LoRA) layers
     train_embeddings: bool = True   # False: embeddings, final norm and head are frozen too
 
     def __post_init__(self):
@@ -43,14 +44,19 @@ class GPTConfig:
                             f"size (RoPE rotates pairs); pick n_embd divisible by 2*n_head")
         if self.frozen_layers and not (0 <= self.frozen_layers[0] and self.frozen_layers[-1] < self.n_layer):
             raise UserError(f"frozen_layers {self.frozen_layers} out of range for n_layer={self.n_layer}")
-        if self.frozen_layers and not 1 <= self.lora_rank <= self.n_embd:
-            raise UserError(f"lora_rank={self.lora_rank} must be in 1..n_embd={self.n_embd}")
+        if self.frozen_layers and not 0 <= self.lora_rank <= self.n_embd:
+            raise UserError(f"lora_rank={self.lora_rank} must be in 0..n_embd={self.n_embd} (0: no adapters)")
+        if self.frozen_dtype not in FROZEN_DTYPES:
+            raise UserError(f"frozen_dtype={self.frozen_dtype!r}: use one of {', '.join(FROZEN_DTYPES)}")
 
     @classmethod
     def from_dict(cls, d, **overrides):
         """The fields of d (a checkpoint's model_args, or a run config's dict) that name a field here."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in {**d, **overrides}.items() if k in known})
+
+
+FROZEN_DTYPES = ("int8", "bf16")
 
 
 def padded_vocab(n):
@@ -73,23 +79,37 @@ class RMSNorm(nn.Module):
 
 
 class FrozenLoRALinear(nn.Module):
-    """y = x W^T + (alpha/r) (x A^T) B^T with W = q * scale frozen in int8 and A, B trainable."""
+    """y = x W^T + (alpha/r) (x A^T) B^T with W frozen and A, B trainable. W is stored in int8 with
+    one fp32 scale per output row (W = q * scale; ours) or in bf16 (the paper's; no scale)."""
 
-    def __init__(self, in_features, out_features, rank, alpha, generator=None):
+    def __init__(self, in_features, out_features, rank, alpha, generator=None, dtype="int8"):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.lora_scale = alpha / rank
-        self.register_buffer("weight_q", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_features))
+        self.lora_scale = alpha / rank if rank else 0.0   # rank 0: the paper's no-adapter ablation
+        self.register_buffer("weight_q", torch.zeros(out_features, in_features,
+                                                     dtype=torch.int8 if dtype == "int8" else torch.bfloat16))
+        self.register_buffer("weight_scale", torch.ones(out_features) if dtype == "int8" else None)
         self.lora_a = nn.Parameter(torch.empty(rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, rank))
         self.reset_adapter(generator)
 
     @classmethod
-    def from_weight(cls, w, rank, alpha, generator=None):
-        m = cls(w.shape[1], w.shape[0], rank, alpha, generator).to(w.device)
-        m.weight_q, m.weight_scale = quantize_int8(w.detach())
+    def from_weight(cls, w, rank, alpha, generator=None, dtype="int8"):
+        m = cls(w.shape[1], w.shape[0], rank, alpha, generator, dtype).to(w.device)
+        m.store(w.detach())
         return m
+
+    def store(self, w, stochastic=False, generator=None):
+        if self.weight_scale is None:
+            self.weight_q = round_bf16(w, stochastic, generator)
+        else:
+            self.weight_q, self.weight_scale = quantize_int8(w, stochastic=stochastic, generator=generator)
+
+    def stored_weight(self):
+        """The frozen weight as a float tensor (without the adapter)."""
+        if self.weight_scale is None:
+            return self.weight_q.float()
+        return dequantize_int8(self.weight_q, self.weight_scale)
 
     @torch.no_grad()
     def reset_adapter(self, generator=None):
@@ -105,19 +125,18 @@ class FrozenLoRALinear(nn.Module):
 
     def dense_weight(self):
         """The float weight this layer computes with, adapter included: W + (alpha/r) B A."""
-        return dequantize_int8(self.weight_q, self.weight_scale) + self.adapter_update()
+        return self.stored_weight() + self.adapter_update()
 
     @torch.no_grad()
     def merge(self, rounding="nearest", generator=None):
-        """Fold the adapter into the int8 weight (dequantise, add, re-quantise) and restart it.
-        Round-to-nearest loses every element of the update smaller than half a quantisation step
+        """Fold the adapter into the frozen weight (W + s B A, rounded back to its store) and restart
+        it. Round-to-nearest loses every element of the update smaller than half a rounding step
         (and adds rounding noise); stochastic rounding keeps the update in expectation.
-        Returns MergeStats of what the new int8 weight carries of the update."""
-        before = dequantize_int8(self.weight_q, self.weight_scale)
+        Returns MergeStats of what the new frozen weight carries of the update."""
+        before = self.stored_weight()
         update = self.adapter_update()
-        self.weight_q, self.weight_scale = quantize_int8(before + update, stochastic=rounding == "stochastic",
-                                                         generator=generator)
-        applied = dequantize_int8(self.weight_q, self.weight_scale) - before
+        self.store(before + update, stochastic=rounding == "stochastic", generator=generator)
+        applied = self.stored_weight() - before
         self.reset_adapter(generator)
         return MergeStats(torch.stack([(applied * update).sum(), update.square().sum(),
                                        (applied - update).square().sum()]).double().cpu())
@@ -127,7 +146,18 @@ class FrozenLoRALinear(nn.Module):
                                   self.lora_scale)
 
     def extra_repr(self):
-        return f"{self.in_features}, {self.out_features}, int8, rank={self.rank}"
+        return f"{self.in_features}, {self.out_features}, {self.weight_q.dtype}, rank={self.rank}"
+
+
+def round_bf16(w, stochastic=False, generator=None):
+    """fp32 -> bf16, to nearest (torch's cast) or stochastically: add uniform noise below the 16
+    bits bf16 drops, then truncate them (unbiased; noise drawn on the CPU from `generator`)."""
+    w = w.float()
+    if not stochastic:
+        return w.to(torch.bfloat16)
+    noise = torch.randint(0, 1 << 16, w.shape, generator=generator, dtype=torch.int32).to(w.device)
+    bits = (w.contiguous().view(torch.int32) + noise) & -65536          # -65536 = 0xFFFF0000
+    return bits.view(torch.float32).to(torch.bfloat16)                  # exact: the low bits are zero
 
 
 @dataclass
@@ -224,12 +254,14 @@ class Block(nn.Module):
     def frozen(self):
         return isinstance(self.attn.q, FrozenLoRALinear)
 
-    def freeze(self, rank, alpha, generator=None):
-        """Store the seven linears in int8 behind fresh LoRA adapters; stop training the norms."""
+    def freeze(self, rank, alpha, generator=None, dtype="int8"):
+        """Store the seven linears frozen (int8 or bf16) behind fresh LoRA adapters; stop training
+        the norms."""
         for name in LINEARS:
             parent, child = name.split(".")
             lin = self.linear(name)
-            setattr(getattr(self, parent), child, FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha, generator))
+            setattr(getattr(self, parent), child,
+                    FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha, generator, dtype))
         self.attn_norm.weight.requires_grad_(False)
         self.mlp_norm.weight.requires_grad_(False)
 
@@ -258,7 +290,7 @@ class GPT(nn.Module):
             for name in RESIDUAL_OUT:  # GPT-2's scaled init keeps the residual stream's variance flat
                 nn.init.normal_(block.linear(name).weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
         for i in cfg.frozen_layers:
-            self.layers[i].freeze(cfg.lora_rank, cfg.lora_alpha)
+            self.layers[i].freeze(cfg.lora_rank, cfg.lora_alpha, dtype=cfg.frozen_dtype)
         if not cfg.train_embeddings:
             self.freeze_embeddings()
 

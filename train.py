@@ -36,7 +36,7 @@ from sample import sample_text
 
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 MODEL_KEYS = {"data_dir", "n_layer", "n_head", "n_embd", "ffn_hidden", "block_size", "tie_embeddings", "rope_theta",
-              "norm_eps", "lora_rank", "lora_alpha", "stage_layers", "target_layers", "n_stages", "grow_init",
+              "norm_eps", "lora_rank", "lora_alpha", "frozen_dtype", "stage_layers", "target_layers", "n_stages", "grow_init",
               "grow_where", "train_embeddings"}
 # keys that may differ between a run and its resume without changing what is computed
 RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_interval", "sample_tokens",
@@ -99,12 +99,27 @@ def build_optimizer(model, cfg, device, previous=None):
     (embeddings, final norm, head) keep their AdamW state from `previous`; everything in the stack
     is new, newly frozen or a restarted adapter, so it starts fresh."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n], "weight_decay": cfg.weight_decay},
+    galore = cfg.optimizer == "galore"
+    projected = {n for n, p in named if galore and n.startswith("layers.") and p.dim() == 2 and "lora_" not in n}
+    groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n and n not in projected],
+               "weight_decay": cfg.weight_decay},
+              {"params": [p for n, p in named if n in projected], "weight_decay": cfg.weight_decay,
+               "rank": cfg.galore_rank, "update_proj_gap": cfg.galore_update_proj_gap, "scale": cfg.galore_scale,
+               "proj_type": "std"},
               {"params": [p for n, p in named if "lora_" in n], "weight_decay": cfg.lora_weight_decay},
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    if cfg.zero1 and dist.is_initialized():
+    if galore:   # GaLore's AdamW projects the layers' matrix gradients to rank galore_rank
+        try:
+            from galore_torch import GaLoreAdamW
+        except ImportError:
+            raise UserError("optimizer=galore needs the galore-torch package: pip install galore-torch==1.0") from None
+        if cfg.zero1:
+            raise UserError("optimizer=galore does not shard its state: use zero1=False")
+        kw.pop("fused")
+        opt = GaLoreAdamW(groups, no_deprecation_warning=True, **kw)
+    elif cfg.zero1 and dist.is_initialized():
         opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     else:
         opt = torch.optim.AdamW(groups, **kw)
@@ -151,10 +166,20 @@ def optimizer_state_dict(opt):
     return opt.state_dict()
 
 
-def reset_adapter_state(model, opt):
+def reset_adapter_state(model, opt, prune=1.0):
+    """At a ReLoRA restart: forget the adapters' AdamW state (prune=1), or zero the share `prune` of
+    each moment tensor with the smallest magnitudes (ReLoRA's partial reset; its paper uses ~0.99)."""
+    state = local_state(opt)
     for name, p in model.named_parameters():
-        if "lora_" in name:
-            local_state(opt).pop(p, None)
+        if "lora_" not in name or p not in state:
+            continue
+        if prune >= 1:
+            del state[p]
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            m = state[p][key]
+            if m.numel() and prune > 0:
+                m.mul_(m.abs() > torch.quantile(m.abs().flatten().float(), prune).to(m.dtype))
 
 
 def get_lr(it, cfg, restarts, total):
@@ -406,7 +431,7 @@ def merge_line(stats):
 def enter_stage(run, model, opt, stage):
     """A stage boundary: merge, grow, freeze, then rebuild the optimizer over the new trainable set."""
     cfg = run.cfg
-    n_new = run.depth[stage] - model.config.n_layer
+    n_new = run.depth[stage] - model.config.n_layer        # 0: the stage only freezes (ReLoRA)
     _, merged = grow.next_stage(model, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
                                 train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
     model.to(run.device)
@@ -421,7 +446,7 @@ def relora_restart(run, model, opt, it):
     """ReLoRA inside a stage: merge the adapters into the int8 weights, restart them and their state."""
     g = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + it)
     merged = sum(model.layers[i].merge_adapters(run.cfg.merge_rounding, g) for i in model.config.frozen_layers)
-    reset_adapter_state(model, opt)
+    reset_adapter_state(model, opt, run.cfg.relora_prune)
     run.log.print(f"== ReLoRA restart at step {it}: {merge_line(merged)}; adapters re-initialised")
     return merged
 
@@ -582,7 +607,8 @@ def train(cfg):
     with StopRequest() as stop:
         while True:
             stage = run.stage_of(it)
-            if raw.config.n_layer < run.depth[stage]:
+            # a stage boundary: every layer of the earlier stages must be frozen (grow may add none)
+            if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:
                 opt, merged = enter_stage(run, raw, opt, stage)
                 check_replicas(run, raw, f"after the growth at step {it}")
                 (model, evaluator), meter.flops_per_iter = wrap(raw), None

@@ -37,11 +37,15 @@ except ImportError:  # no triton wheel (macOS, Windows): keep the module importa
 class FrozenLoRALinearReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, q, scale, lora_a, lora_b, lora_scale):
-        # x [M, K] in the compute dtype; q [N, K] int8; scale [N] fp32; A [r, K]; B [N, r]
+        # x [M, K] in the compute dtype; q [N, K] int8 with scale [N] fp32, or a float weight with
+        # scale None (the bf16 store); A [r, K]; B [N, r]
         dt = x.dtype
         a, b = lora_a.to(dt), lora_b.to(dt)
         xa = x @ a.t()                                          # [M, r]
-        y = (x @ q.to(dt).t()) * scale.to(dt) + lora_scale * (xa @ b.t())   # [M, N]
+        y = x @ q.to(dt).t()
+        if scale is not None:
+            y = y * scale.to(dt)
+        y = y + lora_scale * (xa @ b.t())                       # [M, N]
         ctx.save_for_backward(x, q, scale, lora_a, lora_b, xa)
         ctx.lora_scale = lora_scale
         return y
@@ -53,7 +57,7 @@ class FrozenLoRALinearReference(torch.autograd.Function):
         a, b = lora_a.to(dt), lora_b.to(dt)
         dy = dy.to(dt)
         dyb = dy @ b                                            # [M, r]
-        dx = (dy * scale.to(dt)) @ q.to(dt) + s * (dyb @ a)     # [M, K]
+        dx = (dy * scale.to(dt) if scale is not None else dy) @ q.to(dt) + s * (dyb @ a)     # [M, K]
         da = (s * dyb.t() @ x).to(lora_a.dtype)                 # [r, K]
         db = (s * dy.t() @ xa).to(lora_b.dtype)                 # [N, r]
         return dx, None, None, da, db, None
@@ -500,12 +504,15 @@ def _compute_dtype(x):
 # bench/gpu_check.sh has measured what the breaks cost.
 @torch.compiler.disable
 def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
-    """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]) plus LoRA
-    A [r, K], B [N, r] scaled by lora_scale. Gradients flow to x, A and B, never to q."""
+    """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]), or a float
+    weight with scale None, plus LoRA A [r, K], B [N, r] scaled by lora_scale. Gradients flow to
+    x, A and B, never to q."""
     assert x.shape[-1] == q.shape[1], f"x has K={x.shape[-1]} but the weight has K={q.shape[1]}"
-    assert q.dtype == torch.int8, f"frozen weight must be int8, got {q.dtype}"
+    assert (q.dtype == torch.int8) == (scale is not None), f"an int8 weight needs its row scale; got {q.dtype}"
     x = x.to(_compute_dtype(x))
     with torch.autocast(x.device.type, enabled=False):
-        if kernels.use_triton(x):
+        # a bf16 store is a plain GEMM, which cuBLAS does best, and without adapters (rank 0)
+        # there is nothing to fuse: both take the reference path on every device
+        if kernels.use_triton(x) and q.dtype == torch.int8 and lora_a.shape[0] > 0:
             return frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale)
         return frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale)

@@ -156,9 +156,52 @@ def test_mean_growth_places_means_where_asked():
     model = GPT(tiny_config(n_layer=4))
     assert grow.grow(model, 2, init="mean", where="lower") == [1, 3]        # after layers 0 and 1
     torch.testing.assert_close(model.layers[1].attn.q.weight, (old[0] + old[1]) / 2)
-    assert grow.insertion_gaps(4, 2, "interleave") == [1, 3]
-    assert grow.insertion_gaps(6, 3, "random", seed=5) == grow.insertion_gaps(6, 3, "random", seed=5)
-    assert grow.insertion_gaps(2, 5, "upper") == [0, 0, 1, 1, 1]           # more new layers than gaps
+
+
+# (old layers, new layers) -> placement -> the grown stack, bottom first: old indices, n = new
+PLACED = {
+    (3, 3): {"upper": "0 1 2 n n n", "intermediate": "0 1 n n n 2", "lower": "0 n n n 1 2",
+             "interleave": "0 n 1 n 2 n"},
+    (6, 3): {"upper": "0 1 2 3 4 n 5 n n", "intermediate": "0 1 2 n 3 n n 4 5", "lower": "0 n 1 n n 2 3 4 5",
+             "interleave": "0 1 n 2 3 n 4 5 n"},
+    (13, 11): {"upper": "0 1 2 3 4 5 6 7 8 n n 9 n n 10 n n 11 n n 12 n n n",
+               "intermediate": "0 1 2 3 4 n n 5 n n 6 n n 7 n n 8 n n n 9 10 11 12",
+               "lower": "0 n n 1 n n 2 n n 3 n n 4 n n n 5 6 7 8 9 10 11 12"},
+    (2, 5): {"upper": "0 1 n n n n n", "lower": "0 n n n n n 1"},
+}
+
+
+@pytest.mark.parametrize("n_old, n_new, where", [(o, n, w) for (o, n), ws in PLACED.items() for w in ws])
+def test_placement_puts_the_new_layers_where_its_definition_says(n_old, n_new, where):
+    """Thirds of the gaps above the old layers: upper / intermediate / lower regions, new layers
+    spread evenly inside, the surplus towards the region's top; interleave spreads over all gaps."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=n_old))
+    for i, block in enumerate(model.layers):
+        block.attn_norm.weight.data.fill_(float(i))          # a tag that growth copies or interpolates
+    old = list(model.layers)
+    new = grow.grow(model, n_new, init="copy", where=where)
+    got = " ".join("n" if k in new else str(old.index(b)) for k, b in enumerate(model.layers))
+    assert got == PLACED[(n_old, n_new)][where]
+    assert len(new) == n_new and model.config.n_layer == n_old + n_new
+
+
+def test_random_placement_is_seeded_and_uses_every_region():
+    draws = [grow.insertion_gaps(12, 6, "random", seed=s) for s in range(40)]
+    assert draws[3] == grow.insertion_gaps(12, 6, "random", seed=3) and len({tuple(d) for d in draws}) > 30
+    assert {g // 4 for d in draws for g in d} == {0, 1, 2}
+
+
+def test_several_new_layers_in_one_gap_interpolate_their_neighbours():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=3))
+    w = [b.mlp.up.weight.detach().clone() for b in model.layers]
+    new = grow.grow(model, 3, init="mean", where="intermediate")          # 0 1 n n n 2
+    assert new == [2, 3, 4]
+    for j, k in enumerate(new, start=1):
+        torch.testing.assert_close(model.layers[k].mlp.up.weight, (1 - j / 4) * w[1] + (j / 4) * w[2])
+    grow.grow(model, 1, init="mean", where="upper")                         # above the top: a copy
+    assert torch.equal(model.layers[-1].mlp.up.weight, w[2])
 
 
 def test_mean_growth_between_frozen_layers_uses_their_weights_with_adapters():

@@ -143,7 +143,11 @@ def test_bad_model_configs():
     with pytest.raises(UserError, match="heads"):
         tiny_config(n_head=3)
     with pytest.raises(UserError, match="lora_rank"):
-        tiny_config(frozen_layers=(0,), lora_rank=0)
+        tiny_config(frozen_layers=(0,), lora_rank=-1)
+    with pytest.raises(UserError, match="lora_rank"):
+        tiny_config(frozen_layers=(0,), lora_rank=33)
+    with pytest.raises(UserError, match="frozen_dtype"):
+        tiny_config(frozen_dtype="fp8")
     with pytest.raises(UserError, match="out of range"):
         tiny_config(frozen_layers=(5,))
 
@@ -175,3 +179,47 @@ def test_training_with_triton_kernels_matches_the_reference(monkeypatch):
     tri = _losses_after_steps("triton", monkeypatch)
     assert ref[0] != ref[-1]
     torch.testing.assert_close(torch.tensor(tri), torch.tensor(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_frozen_store_computes_with_the_bf16_weight_and_merges_back_to_bf16():
+    """The paper's variant: the frozen weight is stored in bf16 (no scale); forward and backward
+    are those of the bf16 weight plus the adapter, through the same kernels API as int8."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 40)
+    lin = FrozenLoRALinear.from_weight(w, rank=4, alpha=8.0, dtype="bf16")
+    assert lin.weight_q.dtype == torch.bfloat16 and lin.weight_scale is None
+    assert "weight_scale" not in lin.state_dict() and torch.equal(lin.weight_q, w.bfloat16())
+    with torch.no_grad():
+        lin.lora_b.normal_()
+    x = torch.randn(5, 40, requires_grad=True)
+    y = lin(x)
+    expect = x @ w.bfloat16().float().t() + 2.0 * (x @ lin.lora_a.t()) @ lin.lora_b.t()
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(5, 24) @ (w.bfloat16().float() + lin.adapter_update()), rtol=1e-5, atol=1e-5)
+    dense = lin.dense_weight()
+    stats = lin.merge()
+    assert torch.equal(lin.weight_q, dense.bfloat16()) and stats.kept > 0.99 and torch.all(lin.lora_b == 0)
+
+
+def test_bf16_stochastic_rounding_is_unbiased():
+    from model import round_bf16
+    w = 1 + torch.rand(4096) * 2 ** -8                  # between two bf16 neighbours of 1.0
+    g = torch.Generator().manual_seed(0)
+    mean = torch.stack([round_bf16(w, True, g).float() for _ in range(400)]).mean(0)
+    assert (mean - w).abs().mean() < 2e-4 < (round_bf16(w).float() - w).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_no_adapter_ablation_has_no_trainable_tensors_in_frozen_layers(dtype):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(frozen_layers=(0,), lora_rank=0, frozen_dtype=dtype))
+    frozen = model.layers[0]
+    assert sum(p.numel() for p in frozen.parameters() if p.requires_grad) == 0
+    x = torch.randn(3, 7, 32)
+    w = frozen.attn.q.stored_weight()
+    torch.testing.assert_close(frozen.attn.q(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx, idx)[1].backward()                      # trains the rest; nothing of layer 0 gets a gradient
+    assert all(p.grad is None or p.numel() == 0 for p in frozen.parameters())
+    assert GPT.from_checkpoint({"model": model.state_dict(), "model_args": model.config.__dict__}).layers[0].attn.q.rank == 0

@@ -201,11 +201,76 @@ def test_sample_grow_and_plan_clis(tmp_path):
     proc = subprocess.run([sys.executable, "grow.py", ckpt, "--add=2", "--init=zero", "--freeze", f"--out={grown}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "from 2 to 4 layers" in proc.stdout, proc.stderr
-    # upper placement with as many new layers as old: one above each old layer
-    assert tuple(load_checkpoint(grown)["model_args"]["frozen_layers"]) == (0, 2)
+    # upper placement of 2 new layers on 2 old ones: both above the top layer
+    assert tuple(load_checkpoint(grown)["model_args"]["frozen_layers"]) == (0, 1)
     out2 = tmp_path / "from_grown"
     train.main(args(out2, "--max_iters=4", "--eval_interval=2", f"--init_from={grown}", data=data))
     assert final_state(out2)["model_args"]["n_layer"] == 4
     proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 accounting" in proc.stdout, proc.stderr
+
+
+# -- baselines and ablations in the same trainer -------------------------------------------------
+
+def test_relora_baseline_warm_start_then_everything_frozen_with_restarts(tmp_path, capsys):
+    """stage_layers=[2, 0]: a full-rank warm start, then every layer frozen behind adapters, merged
+    and restarted every relora_every steps with ReLoRA's partial optimizer reset."""
+    train.main(args(tmp_path, "--stage_layers=[2, 0]", "--max_iters=20", "--eval_interval=10", "--relora_every=4",
+                    "--relora_prune=0.99"))
+    out = capsys.readouterr().out
+    assert "grew 0 layers" in out and "frozen layers [0, 1]" in out
+    assert [l.split("restart at step ")[1].split(":")[0] for l in out.splitlines() if "ReLoRA restart" in l] == ["14", "18"]
+    ckpt = final_state(tmp_path)
+    assert ckpt["model_args"]["frozen_layers"] == (0, 1) and ckpt["model_args"]["n_layer"] == 2
+
+
+def test_partial_optimizer_reset_zeroes_the_smallest_moments():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=1, frozen_layers=(0,), lora_rank=4))
+    opt = train.build_optimizer(model, load_config([]), torch.device("cpu"))
+    idx = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        model(idx, idx)[1].backward()
+        opt.step()
+    a = model.layers[0].mlp.up.lora_a
+    before = opt.state[a]["exp_avg_sq"].clone()
+    train.reset_adapter_state(model, opt, prune=0.75)
+    after = opt.state[a]["exp_avg_sq"]
+    kept = after != 0
+    assert abs(kept.float().mean().item() - 0.25) < 0.01 and torch.equal(after[kept], before[kept])
+    assert before[kept].min() >= before[~kept].max()                  # by magnitude
+    train.reset_adapter_state(model, opt, prune=1.0)
+    assert a not in opt.state and model.wte.weight in opt.state        # only the adapters' state goes
+
+
+def test_grow_at_moves_the_boundary_and_keeps_the_tokens():
+    cfg = load_config(["--stage_layers=[2, 2, 2]", "--max_iters=300", "--grow_at=0.75"])
+    layers, iters = grow.stage_plan(cfg, 128, 1)
+    assert layers == [2, 2, 2] and iters == [75, 100, 125] and sum(iters) == 300   # 75 | 25 + 75 | 25 + 100
+
+
+@pytest.mark.parametrize("extra", [["--frozen_dtype=bf16"], ["--lora_rank=0"], ["--lora_weight_decay=0.1"],
+                                   ["--grow_where=intermediate"], ["--grow_where=random"]])
+def test_ablations_train_resume_exactly(tmp_path, extra):
+    common = ["--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", *extra]
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path / "a", *common, data=data))
+    train.main(args(tmp_path / "b", *common, "--stop_at=7", data=data))
+    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    if "--frozen_dtype=bf16" in extra:
+        assert a["model"]["layers.0.attn.q.weight_q"].dtype == torch.bfloat16
+
+
+def test_galore_optimizer_runs_and_resumes(tmp_path):
+    pytest.importorskip("galore_torch", reason="optional: pip install galore-torch==1.0 (bench/reproduce.py's GaLore row)")
+    common = ["--n_layer=2", "--max_iters=12", "--eval_interval=4", "--optimizer=galore", "--galore_rank=8",
+              "--galore_update_proj_gap=5"]
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path / "a", *common, data=data))
+    train.main(args(tmp_path / "b", *common, "--stop_at=6", data=data))
+    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
