@@ -94,7 +94,8 @@ def test_bad_value_is_one_clear_error(argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--stage_layers=[2, 0]"], "at least one layer"),
+    (["--stage_layers=[0, 2]"], "the first stage needs at least one layer"),
+    (["--stage_layers=[2, -1]"], "later ones 0 or more"),
     (["--stage_layers=[2, 2]", "--target_layers=5"], "sum to 4"),
     (["--stage_layers=[2, 2]", "--lora_rank=1000"], "lora_rank"),
     (["--grow_init=magic"], "grow_init"),
