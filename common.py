@@ -39,7 +39,8 @@ class TrainConfig:
     # I/O
     out_dir: str = "out"
     data_dir: str = "data/shakespeare"  # train.bin, val.bin, meta.json (data/prepare.py)
-    init_from: str = "scratch"          # 'scratch', 'resume' (out_dir/ckpt.pt) or a checkpoint path (weights only)
+    init_from: str = "scratch"          # 'scratch', 'resume' (out_dir's newest ckpt-<iter>.pt), 'resume_previous'
+                                        # (the one before it) or a checkpoint path (weights only)
     eval_interval: int = 100
     eval_iters: int = 20
     log_interval: int = 10
@@ -71,7 +72,7 @@ class TrainConfig:
     grow_at: float = 1.0                # a stage ends after this share of its budget (the paper: 0.75), the rest
                                         # moves to the next stage
     grow_init: str = "mean"             # mean | copy | zero | stack
-    grow_where: str = "upper"           # upper | lower | interleave | random
+    grow_where: str = "upper"           # upper | intermediate | lower (thirds of the stack) | interleave | random
     train_embeddings: bool = True       # embeddings, final norm and head trainable in every stage
     relora_every: int = 0               # >0: merge + restart adapters every this many iters of a stage
     relora_prune: float = 1.0           # share of the adapters' AdamW moments zeroed (by magnitude) at a

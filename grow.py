@@ -137,8 +137,9 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
     weights, rows, norms, adapter = layer_counts(cfg)
     per_param = trainable_bytes(accounting, zero_world)
     total = n_trainable * per_param * (weights + norms)
-    if accounting == "int8":
-        frozen_layer = weights + 4 * rows + 4 * norms
+    if accounting == "int8":   # our fp32 training; the frozen store as the config keeps it
+        store = 2 * weights if cfg.frozen_dtype == "bf16" else weights + 4 * rows
+        frozen_layer = store + 4 * norms
     elif accounting == "bf16":
         frozen_layer = 2 * (weights + norms)
     else:

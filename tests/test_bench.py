@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+from tests.helpers import write_dataset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -17,3 +19,25 @@ def test_merge_survival_table():
     kept = {float(r[0]): (float(r[1].split()[0].rstrip("%")), float(r[2].split()[0].rstrip("%"))) for r in rows}
     assert kept[0.1][0] < 5 and abs(kept[0.1][1] - 100) < 5     # nearest loses a tenth-step update; stochastic keeps it
     assert abs(kept[20][0] - 100) < 1 and abs(kept[20][1] - 100) < 1
+
+
+def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
+    """bench/reproduce.py as its docstring runs a part of the grid, scaled down in size: a table
+    with a row per run, a finished run skipped the next time, an unfinished one resumed."""
+    data = tmp_path / "data"
+    write_dataset(str(data))
+    out = tmp_path / "grid"
+    small = ["--set", "n_embd=32", "--set", "n_head=2", "--set", "ffn_hidden=64", "--set", "block_size=16",
+             "--set", "batch_size=2", "--set", "eval_iters=2", "--set", f"data_dir={data}", "--set", "log_interval=1"]
+    argv = ["bench/reproduce.py", "--only", "vanilla-s1,step2-s1,relora", "--tokens", "1024", "--evals", "4",
+            "--out", str(out), *small]
+    first = run(*argv)
+    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["vanilla-s1", "step2-s1", "relora"]
+    assert "| 1,024 |" in rows[2] and "vanilla-s1: final val" in first
+    assert "starting" in first and "resuming" not in first
+    os.remove(out / "step2-s1" / "result.json")       # as if the grid had been stopped during that run
+    again = run(*argv)
+    assert "step2-s1: resuming" in again and "vanilla-s1: starting" not in again and "relora: starting" not in again
+    proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "is from other settings" in proc.stderr

@@ -1,3 +1,5 @@
+import os
+import re
 
 import pytest
 import torch
@@ -8,6 +10,8 @@ from common import UserError, load_config
 from kernels import dequantize_int8
 from model import GPT, LINEARS
 from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def paper_eq2(P, E, layers):
@@ -79,8 +83,8 @@ def test_budget_picks_smallest_k_or_says_none_fits():
         grow.smallest_plan(cfg, 12, 1000)
 
 
-@pytest.mark.parametrize("train_embeddings", [True, False])
-def test_planned_state_equals_the_allocations_of_a_real_step(train_embeddings):
+@pytest.mark.parametrize("train_embeddings, frozen_dtype", [(True, "int8"), (False, "int8"), (True, "bf16")])
+def test_planned_state_equals_the_allocations_of_a_real_step(train_embeddings, frozen_dtype):
     """The planner's arithmetic against what a real optimizer step allocates, measured by the
     profiler: they differ by exactly the tensors the plan leaves out on purpose (the RoPE tables,
     AdamW's step counters, the input batch)."""
@@ -88,7 +92,7 @@ def test_planned_state_equals_the_allocations_of_a_real_step(train_embeddings):
 
     def step():
         torch.manual_seed(0)
-        model = GPT(tiny_config(n_layer=2))
+        model = GPT(tiny_config(n_layer=2, frozen_dtype=frozen_dtype))
         grow.next_stage(model, 2, train_embeddings=train_embeddings)
         opt = train.build_optimizer(model, load_config([]), torch.device("cpu"))
         idx = torch.randint(0, 128, (2, 16))
@@ -304,3 +308,16 @@ def test_zero1_divides_only_the_optimizer_share_over_the_ranks():
     per_rank = grow.state_bytes(cfg, accounting="int8", zero_world=4)
     outside = grow.outside_params(cfg)
     assert per_rank == int(10 * (weights + norms + adapter + outside) + weights + 4 * rows + 4 * norms)
+
+
+def test_readme_placement_picture():
+    """The README's picture of the placements is what grow.insertion_gaps does."""
+    def order(n_old, n_new, where):
+        gaps = grow.insertion_gaps(n_old, n_new, where, seed=0)
+        return " ".join(f"{i}" + " n" * gaps.count(i) for i in range(n_old))
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = {line.split()[0]: line for line in f if line.split() and line.split()[0] in grow.PLACEMENTS}
+    assert sorted(lines) == sorted(grow.PLACEMENTS)
+    for where, line in lines.items():
+        assert re.split(r"\s{2,}", line.strip())[1:3] == [order(6, 4, where), order(3, 3, where)], line
