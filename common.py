@@ -101,6 +101,8 @@ class TrainConfig:
     dtype: str = "auto"                 # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = True                # torch.compile on CUDA; always off on CPU (said at start)
     zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
+    activation_checkpointing: bool = False  # recompute each block in the backward (frozen ones too)
+    loss_chunk: int = 0                 # >0: cross-entropy this many tokens at a time, never the full logits
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
 
 
@@ -110,7 +112,8 @@ AT_LEAST_ONE = ("batch_size", "gradient_accumulation_steps", "block_size", "eval
                 "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "keep_checkpoints", "galore_rank",
                 "galore_update_proj_gap")
 NOT_NEGATIVE = ("lora_rank", "vocab_size", "sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
-                "sample_tokens", "ffn_hidden", "target_layers", "max_iters", "min_lr", "weight_decay", "lora_weight_decay", "grad_clip")
+                "sample_tokens", "ffn_hidden", "target_layers", "max_iters", "min_lr", "weight_decay", "lora_weight_decay", "grad_clip",
+                "loss_chunk")
 POSITIVE = ("learning_rate", "lora_alpha", "rope_theta", "norm_eps", "galore_scale")
 
 

@@ -126,6 +126,14 @@ def trainable_bytes(accounting, zero_world=1):
     return TRAINABLE_BYTES - sharded + sharded / zero_world
 
 
+def trainable_count(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
+    """Trainable parameters: the trainable layers, the frozen layers' adapters and, unless frozen
+    (train_embeddings=False after the first stage) or left out, embeddings, head and final norm."""
+    weights, _, norms, adapter = layer_counts(cfg)
+    n = n_trainable * (weights + norms) + n_frozen * adapter
+    return n + (outside_params(cfg) if not layers_only and (train_embeddings or n_frozen == 0) else 0)
+
+
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True, layers_only=False,
                 zero_world=1):
     """Model-state bytes of a model with n_frozen frozen (+ adapters) and n_trainable trainable
@@ -134,9 +142,9 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
     if n_frozen is None:
         n_frozen = len(cfg.frozen_layers)
         n_trainable = cfg.n_layer - n_frozen
-    weights, rows, norms, adapter = layer_counts(cfg)
-    per_param = trainable_bytes(accounting, zero_world)
-    total = n_trainable * per_param * (weights + norms)
+    weights, rows, norms, _ = layer_counts(cfg)
+    total = trainable_bytes(accounting, zero_world) * trainable_count(cfg, n_trainable, n_frozen, train_embeddings,
+                                                                       layers_only)
     if accounting == "int8":   # our fp32 training; the frozen store as the config keeps it
         store = 2 * weights if cfg.frozen_dtype == "bf16" else weights + 4 * rows
         frozen_layer = store + 4 * norms
@@ -144,12 +152,44 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
         frozen_layer = 2 * (weights + norms)
     else:
         raise ValueError(f"accounting {accounting!r}: use int8 or bf16")
-    total += n_frozen * (frozen_layer + per_param * adapter)
-    if not layers_only:
-        outside = outside_params(cfg)
-        frozen_cost = 4 if accounting == "int8" else 2   # a frozen embedding stays a float tensor
-        total += outside * (per_param if train_embeddings or n_frozen == 0 else frozen_cost)
+    total += n_frozen * frozen_layer
+    if not layers_only and not (train_embeddings or n_frozen == 0):
+        total += outside_params(cfg) * (4 if accounting == "int8" else 2)   # a frozen embedding stays a float tensor
     return int(total)
+
+
+def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, loss_chunk=0):
+    """What autograd holds for the backward of a micro-batch of `tokens` tokens through n_trainable
+    trainable and n_frozen frozen layers, at the start of
+    the backward (the step's peak when activations dominate), in fp32 (CPU, or dtype=float32; bf16
+    autocast saves other tensors: measured on CUDA, not modelled). Per token, in elements:
+      a layer: 11C + 4F: each RMSNorm its input, input * rstd and output (3C, twice); q and k after
+        RoPE, v, the SDPA output and its (T, C) copy for the o projection (5C); SwiGLU's gate,
+        silu(gate), up and their product (4F); a frozen layer adds x A^T of its seven linears (7r);
+      the head: the final norm (3C), the logits, their log-softmax and the gradients of both (4V).
+    Activation checkpointing keeps a layer's input (C) and recomputes one layer at a time (plus its
+    input and output gradients, 2C); loss_chunk holds 4V for loss_chunk tokens instead of all.
+    tests/test_grow.py checks this against the allocator within 10 %."""
+    C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
+    layer = 11 * C + 4 * F
+    head = 3 * C + 4 * V * (min(loss_chunk, tokens) / tokens if loss_chunk else 1)
+    if checkpointing:
+        per_token = (n_trainable + n_frozen) * C + max(head, layer + 7 * r * (n_frozen > 0) + 2 * C)
+    else:
+        per_token = (n_trainable + n_frozen) * layer + n_frozen * 7 * r + head
+    return int(4 * tokens * per_token)
+
+
+def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, checkpointing=False, loss_chunk=0):
+    """The peak of one training step in our fp32 accounting, the larger of: the model state
+    without the gradients (set to None after every step; they appear as the backward runs and its
+    saved tensors go) plus the activations at the start of the backward; the full state at the
+    optimizer step plus foreach AdamW's temporary (the square root of the second moments, at most
+    the trainable parameters' size: measured 3/4 of it at step_small, so this side over-predicts)."""
+    state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings)
+    grads = 4 * trainable_count(cfg, n_trainable, n_frozen, train_embeddings)
+    act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk)
+    return max(state - grads + act, state + grads)
 
 
 def stage_memory(cfg, stage_layers, **kw):
@@ -189,23 +229,29 @@ def smallest_plan(cfg, target_layers, budget, max_stages=8, **kw):
                     f"(the best needs {peak / 2**30:.2f} GiB); raise the budget or lower lora_rank")
 
 
-def measure_cpu_memory(fn):
-    """Run fn() and measure the CPU tensor memory it allocates, from the profiler's record of every
-    allocation and free (not from a list of tensors we think exist). -> (peak bytes, bytes still
-    allocated when fn returns). The timeline is a private torch API (torch 2.13); CUDA has
+def cpu_memory_timeline(fn):
+    """Run fn() and record the CPU tensor memory it allocates, from the profiler's record of every
+    allocation and free (not from a list of tensors we think exist). -> [(time.time_ns(), bytes
+    live)], one entry per event. The timeline is a private torch API (torch 2.13); CUDA has
     torch.cuda.max_memory_allocated instead."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
+    live, out = 0, [(0, 0)]
+    for t, action, _, size in prof._memory_profile().timeline:
         if action in (Action.CREATE, Action.PREEXISTING):
             live += size
         elif action == Action.DESTROY:
             live -= size
-        peak = max(peak, live)
-    return peak, live
+        out.append((t, live))
+    return out
+
+
+def measure_cpu_memory(fn):
+    """-> (peak bytes, bytes still allocated when fn returns) of fn()'s CPU tensor allocations."""
+    timeline = cpu_memory_timeline(fn)
+    return max(b for _, b in timeline), timeline[-1][1]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from common import UserError
 from kernels import dequantize_int8, frozen_lora_linear, quantize_int8
@@ -34,6 +35,9 @@ class GPTConfig:
     frozen_dtype: str = "int8"      # how frozen linears are stored: int8 + row scale (ours) or bf16 (the paper's)
     frozen_layers: tuple = field(default_factory=tuple)  # indices of frozen (+ LoRA) layers
     train_embeddings: bool = True   # False: embeddings, final norm and head are frozen too
+    activation_checkpointing: bool = False  # keep only each block's input; recompute the block in the backward
+    loss_chunk: int = 0             # >0: the loss over this many tokens at a time, logits recomputed in the
+                                    # backward, so the full logits and their gradient never exist
 
     def __post_init__(self):
         self.frozen_layers = tuple(sorted(int(i) for i in self.frozen_layers))
@@ -230,6 +234,21 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))   # SwiGLU
 
 
+def _loss_sum(x, targets, weight):
+    return F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1, reduction="sum")
+
+
+def chunked_cross_entropy(x, targets, weight, chunk):
+    """F.cross_entropy(x @ weight^T, targets) (mean over targets != -1), `chunk` tokens at a time.
+    Each chunk's logits are recomputed in the backward, so at most chunk x V logits (and their
+    gradient) exist at once instead of all: at the 1B config's micro-batch of 16 x 1024 tokens
+    and 32k vocabulary the full ones are 2.1 GB in fp32, and so is their gradient."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)   # (B*T, C), (B*T,)
+    total = sum(checkpoint(_loss_sum, x[i:i + chunk], targets[i:i + chunk], weight, use_reentrant=False)
+                for i in range(0, x.size(0), chunk))
+    return total / (targets != -1).sum()
+
+
 LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 RESIDUAL_OUT = ("attn.o", "mlp.down")   # projections that write into the residual stream
 
@@ -323,10 +342,15 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
         x = self.wte(idx)                                           # (B, T, C)
         for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = block(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None               # inference: last position only
+        if self.config.loss_chunk:
+            return None, chunked_cross_entropy(x, targets, self.lm_head.weight, self.config.loss_chunk)
         logits = self.lm_head(x)                                    # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss

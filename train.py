@@ -40,7 +40,8 @@ MODEL_KEYS = {"data_dir", "n_layer", "n_head", "n_embd", "ffn_hidden", "block_si
               "grow_where", "train_embeddings"}
 # keys that may differ between a run and its resume without changing what is computed
 RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_interval", "sample_tokens",
-             "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every"}
+             "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every", "activation_checkpointing",
+             "loss_chunk"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,8 +421,13 @@ def describe(run):
     run.log.print("\n".join(f"{k:>28} : {v}" for k, v in rows))
     final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
     plan = grow.stage_memory(final, run.stage_layers, train_embeddings=cfg.train_embeddings)
-    run.log.print("model state planned (int8 accounting): " +
-                  ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan)))
+    frozen = [sum(run.stage_layers[:i]) for i in range(len(run.stage_layers))]
+    peaks = [grow.step_peak_bytes(final, n, f, cfg.batch_size * cfg.block_size, cfg.train_embeddings or f == 0,
+                                  cfg.activation_checkpointing, cfg.loss_chunk)
+             for n, f in zip(run.stage_layers, frozen)]
+    run.log.print("planned (int8 accounting): model state " + ", ".join(
+        f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan)) + "; step peak with fp32 activations " +
+        ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
 
 
 def merge_line(stats):

@@ -223,3 +223,31 @@ def test_no_adapter_ablation_has_no_trainable_tensors_in_frozen_layers(dtype):
     model(idx, idx)[1].backward()                      # trains the rest; nothing of layer 0 gets a gradient
     assert all(p.grad is None or p.numel() == 0 for p in frozen.parameters())
     assert GPT.from_checkpoint({"model": model.state_dict(), "model_args": model.config.__dict__}).layers[0].attn.q.rank == 0
+
+
+@pytest.mark.parametrize("kw", [dict(activation_checkpointing=True), dict(loss_chunk=7),
+                                dict(activation_checkpointing=True, loss_chunk=16)])
+def test_checkpointing_and_chunked_loss_compute_the_same_loss_and_gradients(kw):
+    """Against the plain forward in float64, on a grown model (frozen int8 layers + adapters, B
+    nonzero), ragged chunks and ignored targets."""
+    from grow import next_stage
+    torch.manual_seed(0)
+    out = []
+    for extra in ({}, kw):
+        torch.manual_seed(0)
+        model = GPT(tiny_config(n_layer=2, **extra))
+        next_stage(model, 1)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data.normal_(0, 0.05)
+        model = model.double()
+        idx = torch.randint(0, 128, (3, 15), generator=torch.Generator().manual_seed(1))
+        targets = idx.roll(-1, 1)
+        targets[0, :4] = -1
+        loss = model(idx, targets)[1]
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (l0, g0), (l1, g1) = out
+    assert torch.allclose(l0, l1, rtol=1e-6, atol=0) and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9), n

@@ -1,0 +1,122 @@
+"""The true peak memory of training steps, measured from the allocator, beside the planner's
+prediction: vanilla against STEP with 2 and 3 stages, with and without activation checkpointing
+and the chunked loss.
+
+    python bench/memory.py                                   # config/step_small.py's model on CPU, ~3 min
+    python bench/memory.py --set batch_size=4 --only vanilla,step2
+
+Each run replays two training steps per stage (AdamW creates its moments in the first step's
+update, after that step's backward has peaked; from the second step on they are live through the
+backward) and stage changes in between, under the profiler, which records every CPU allocation
+and free; the peak of each window is read from that timeline. On CUDA, train.py's log line shows
+torch.cuda.max_memory_allocated instead (bench/gpu_check.sh). The prediction is the planner's
+grow.step_peak_bytes: model state without gradients + the activations autograd saves (fp32), or
+the full state, whichever is larger.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grow  # noqa: E402
+import train  # noqa: E402
+from common import UserError, load_config, run_cli  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "config", "step_small.py")
+RUNS = {"vanilla": ["--stage_layers=[6]"], "step2": [],
+        "step3": ["--stage_layers=[]", "--target_layers=6", "--n_stages=3"]}
+MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
+         "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"]}
+
+
+def measure(args):
+    """Replay the run `args` (train.py argv): two steps per stage, stage changes between.
+    -> [dict(phase, stage, n_trainable, n_frozen, tokens, peak)] with phase 'step' (the second
+    step of a stage) or 'stage change' (the growth and the new optimizer, first step included)."""
+    cfg = load_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+        cfg = replace(cfg, out_dir=tmp, stage_tokens=[2 * per_iter] * grow.stage_count(cfg), grow_at=1.0,
+                      relora_every=0, device="cpu", init_from="scratch", log_interval=10**9)
+        marks, shapes = [], []
+
+        def replay():
+            run = train.setup(cfg)
+            model, opt, it, _ = train.build(run)
+            for stage in range(len(run.depth)):
+                marks.append(("stage change", stage, time.time_ns()))
+                if stage:
+                    opt, _ = train.enter_stage(run, model, opt, stage)
+                train.train_step(run, model, model, opt, it)
+                marks.append(("step", stage, time.time_ns()))
+                train.train_step(run, model, model, opt, it + 1)
+                it += 2
+                n_frozen = len(model.config.frozen_layers)
+                shapes.append((model.config.n_layer - n_frozen, n_frozen))
+            marks.append(("end", len(run.depth), time.time_ns()))
+
+        quiet = open(os.devnull, "w")
+        stdout, sys.stdout = sys.stdout, quiet
+        try:
+            timeline = grow.cpu_memory_timeline(replay)
+        finally:
+            sys.stdout = stdout
+            quiet.close()
+    out = []
+    for (phase, stage, t0), (_, _, t1) in zip(marks, marks[1:]):
+        peak = max((b for t, b in timeline if t0 <= t < t1), default=0)
+        out.append(dict(phase=phase, stage=stage, n_trainable=shapes[stage][0], n_frozen=shapes[stage][1],
+                        tokens=cfg.batch_size * cfg.block_size, peak=peak))
+    return out
+
+
+def predict(cfg, row):
+    return grow.step_peak_bytes(grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size),
+                                row["n_trainable"], row["n_frozen"], row["tokens"],
+                                train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
+                                checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk)
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help=f"comma-separated runs of {sorted(RUNS)} (default: all)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {list(MODES)}")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train.py override for every run, e.g. --set batch_size=4 (repeatable)")
+    a = p.parse_args(argv)
+    runs, modes = (a.only.split(",") if a.only else list(RUNS)), a.modes.split(",")
+    for name, known in ((runs, RUNS), (modes, MODES)):
+        if set(name) - set(known):
+            raise UserError(f"unknown {sorted(set(name) - set(known))}: use some of {list(known)}")
+    extra = [f"--{s}" for s in a.set]
+    mib = lambda b: f"{b / 2**20:,.1f}"   # noqa: E731
+    print("| run | mode | stage | layers (trainable + frozen) | planned state | planned peak | measured peak "
+          "| measured - planned | run peak vs vanilla |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    vanilla = {}
+    for mode in modes:
+        for name in runs:
+            args = [BASE, *RUNS[name], *MODES[mode], *extra]
+            cfg = load_config(args)
+            cfg = replace(cfg, vocab_size=grow.data_vocab(cfg)[0])
+            rows = measure(args)
+            run_peak = max(r["peak"] for r in rows)
+            vanilla.setdefault(mode, run_peak if name == "vanilla" else None)
+            base = vanilla[mode]
+            for r in rows:
+                mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
+                state = grow.state_bytes(mc, r["n_trainable"], r["n_frozen"],
+                                         train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0)
+                planned = predict(cfg, r) if r["phase"] == "step" else None
+                err = f"{(r['peak'] - planned) / planned:+.1%}" if planned else "-"
+                print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | {r['n_trainable']} + {r['n_frozen']} | "
+                      f"{mib(state)} | {mib(planned) if planned else '-'} | {mib(r['peak'])} | {err} | "
+                      f"{f'{run_peak / base:.2f}x' if base and r is rows[-1] else ''} |", flush=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)
