@@ -13,8 +13,8 @@ newest checkpoint, so an interrupted grid continues where it stopped (delete a r
 redo it).
 
 Peak memory: on CUDA the run's own torch.cuda.max_memory_allocated (rank 0); on CPU the true peak of
-the allocator, measured by the profiler over a replay of the run with one step per stage (stage
-changes included), at the run's batch size, so activations and logits are in it. Beside it, the
+the allocator, measured by bench/memory.py's replay of the run (two steps per stage, stage changes
+included) at the run's batch size, so activations and logits are in it. Beside it, the
 planner's model-state bytes of the run's peak stage (weights, gradients, AdamW moments, frozen
 store; not GaLore's projected state, which the planner does not model).
 """
@@ -24,13 +24,11 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
-import train  # noqa: E402
+from bench.memory import measure  # noqa: E402
 from common import UserError, checkpoint_files, load_config, run_cli  # noqa: E402
 from model import padded_vocab  # noqa: E402
 
@@ -81,38 +79,6 @@ def grid(base, tokens):
 def argv_of(base_path, overrides, out_dir, evals):
     args = [base_path] + [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
     return args + [f"--out_dir={out_dir}", f"--eval_interval={evals}", "--sample_tokens=0"]
-
-
-def measure_peak(args):
-    """The allocator's peak bytes over two training steps per stage of the run `args` (train.py
-    argv), stage changes included, from the profiler's record of every CPU allocation. Two, because
-    AdamW allocates its moments in the first step's update, after that step's backward has peaked:
-    from the second step on the moments are live through the backward (vanilla_small at batch 4:
-    137 MiB over one step, 181 MiB from the second)."""
-    cfg = load_config(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
-        cfg = replace(cfg, out_dir=tmp, stage_tokens=[2 * per_iter] * grow.stage_count(cfg), grow_at=1.0,
-                      relora_every=0, device="cpu", init_from="scratch")
-
-        def replay():
-            run = train.setup(cfg)
-            model, opt, it, _ = train.build(run)
-            for stage in range(len(run.depth)):
-                if stage:
-                    opt, _ = train.enter_stage(run, model, opt, stage)
-                for _ in range(2):
-                    train.train_step(run, model, model, opt, it)
-                    it += 1
-
-        quiet = open(os.devnull, "w")
-        stdout, sys.stdout = sys.stdout, quiet
-        try:
-            peak, _ = grow.measure_cpu_memory(replay)
-        finally:
-            sys.stdout = stdout
-            quiet.close()
-    return peak
 
 
 def planned_state(args, data_vocab):
@@ -166,7 +132,7 @@ def run_one(name, args, out_dir, launcher, log):
         data_vocab = json.load(f)["vocab_size"]
     result = {"name": name, "final_val": vals[-1]["val_loss"], "best_val": min(r["val_loss"] for r in vals),
               "tokens": vals[-1]["step"] * per_iter, "wall_s": sum(walls),
-              "peak_bytes": max(cuda) if cuda else measure_peak(args),
+              "peak_bytes": max(cuda) if cuda else max(r["peak"] for r in measure(args)),
               "peak_source": "cuda max allocated (rank 0)" if cuda else "cpu profiler",
               "planned_bytes": None if cfg.optimizer == "galore" else planned_state(args, data_vocab),
               "val_curve": [(r["step"] * per_iter, r["val_loss"]) for r in vals],

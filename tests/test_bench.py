@@ -41,3 +41,19 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
     assert "step2-s1: resuming" in again and "vanilla-s1: starting" not in again and "relora: starting" not in again
     proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "is from other settings" in proc.stderr
+
+
+def test_memory_table(tmp_path):
+    """bench/memory.py as its docstring runs it, scaled down: a row per stage and phase, the
+    planned peak beside the measured one, STEP's run peak below vanilla's."""
+    write_dataset(str(tmp_path), vocab=8192)
+    out = run("bench/memory.py", "--only", "vanilla,step2", "--modes", "plain", "--set", "batch_size=1",
+              "--set", f"data_dir={tmp_path}")
+    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| vanilla") or r.startswith("| step2")]
+    assert [r[2].strip() for r in rows] == ["1 stage change", "1 step", "1 stage change", "1 step", "2 stage change",
+                                            "2 step"]
+    for r in rows:
+        if "step" == r[2].split()[-1]:
+            planned, measured = float(r[5].replace(",", "")), float(r[6].replace(",", ""))
+            assert abs(measured - planned) < 0.1 * planned
+    assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
