@@ -57,3 +57,19 @@ def test_memory_table(tmp_path):
             planned, measured = float(r[5].replace(",", "")), float(r[6].replace(",", ""))
             assert abs(measured - planned) < 0.1 * planned
     assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
+
+
+def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
+    """The README's `--scale 350m --launcher "torchrun ..."` form: config/step_350m.py's keys and
+    accumulation, 2 CPU ranks with gloo, the model scaled down."""
+    write_dataset(str(tmp_path / "data"))
+    small = [f"--set={kv}" for kv in ("n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16", "batch_size=2",
+                                      "lora_rank=4", "vocab_size=0", "target_layers=2", "eval_iters=1",
+                                      "warmup_iters=1", "stage_warmup_iters=1", f"data_dir={tmp_path / 'data'}")]
+    launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"
+    out = run("bench/reproduce.py", "--scale", "350m", "--only", "vanilla-s1,step2-s1", "--tokens", "2048",
+              "--evals", "2", "--out", str(tmp_path / "grid"), "--launcher", launcher, *small)
+    assert "torch.distributed.run" in out and "config/step_350m.py" in out
+    rows = (tmp_path / "grid" / "table.md").read_text().splitlines()[2:]
+    assert [r.split("|")[1].strip() for r in rows] == ["vanilla-s1", "step2-s1"]
+    assert all("| 2,048 |" in r for r in rows)
