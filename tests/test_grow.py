@@ -318,7 +318,7 @@ def test_readme_placement_picture():
         return " ".join(f"{i}" + " n" * gaps.count(i) for i in range(n_old))
 
     with open(os.path.join(ROOT, "README.md")) as f:
-        lines = {line.split()[0]: line for line in f if line.split() and line.split()[0] in grow.PLACEMENTS}
+        lines = {line.split()[0]: line for line in f if re.match(rf"({'|'.join(grow.PLACEMENTS)}) +0 ", line)}
     assert sorted(lines) == sorted(grow.PLACEMENTS)
     for where, line in lines.items():
         assert re.split(r"\s{2,}", line.strip())[1:3] == [order(6, 4, where), order(3, 3, where)], line
