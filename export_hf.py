@@ -41,7 +41,8 @@ def require(module):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"Hugging Face folders need the {module} package: pip install -r requirements-test.txt") from None
+        raise UserError(f"Hugging Face folders need the {module.split('.')[0]} package: "
+                        f"pip install -r requirements-test.txt") from None
 
 
 def name_map(n_layer, tied):
