@@ -40,7 +40,8 @@ class TrainConfig:
     out_dir: str = "out"
     data_dir: str = "data/shakespeare"  # train.bin, val.bin, meta.json (data/prepare.py)
     init_from: str = "scratch"          # 'scratch', 'resume' (out_dir's newest ckpt-<iter>.pt), 'resume_previous'
-                                        # (the one before it) or a checkpoint path (weights only)
+                                        # (the one before it), a checkpoint path (weights only) or 'hf:PATH'
+                                        # (stage 1 from a Hugging Face LLaMA folder)
     eval_interval: int = 100
     eval_iters: int = 20
     log_interval: int = 10
@@ -189,9 +190,9 @@ def validate(cfg):
     for key, options in CHOICES.items():
         if getattr(cfg, key) not in options:
             raise UserError(f"{key}={getattr(cfg, key)!r}: use one of {', '.join(options)}")
-    if cfg.init_from not in ("scratch", "resume", "resume_previous") and not os.path.exists(cfg.init_from):
-        raise UserError(f"init_from={cfg.init_from!r}: use 'scratch', 'resume', 'resume_previous' or the path of a "
-                        f"checkpoint (a file, or a run folder for its newest)")
+    if cfg.init_from not in ("scratch", "resume", "resume_previous") and not os.path.exists(cfg.init_from.removeprefix("hf:")):
+        raise UserError(f"init_from={cfg.init_from!r}: use 'scratch', 'resume', 'resume_previous', the path of a "
+                        f"checkpoint (a file, or a run folder for its newest) or hf:PATH (a Hugging Face LLaMA folder)")
     if any(not isinstance(t, int) or t < 1 for t in cfg.stage_tokens):
         raise UserError(f"stage_tokens={cfg.stage_tokens}: every stage needs a positive whole number of tokens")
     if cfg.max_iters < 1 and not cfg.stage_tokens:

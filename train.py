@@ -31,6 +31,7 @@ import grow
 import kernels
 from common import (UserError, checkpoint_path, load_checkpoint, load_config, resume_checkpoint, run_cli,
                     save_checkpoint)
+from export_hf import load_hf
 from model import GPT, padded_vocab, peak_flops
 from sample import sample_text
 
@@ -367,6 +368,12 @@ def build(run):
     if cfg.init_from == "scratch":
         torch.manual_seed(cfg.seed)
         model = GPT(grow.model_config(cfg, run.stage_layers[0], run.vocab_size))
+    elif cfg.init_from.startswith("hf:"):   # stage 1 from a Hugging Face LLaMA folder (export_hf.py)
+        torch.manual_seed(cfg.seed)
+        model = load_hf(cfg.init_from[3:], grow.model_config(cfg, run.stage_layers[0], run.vocab_size),
+                        "stage_layers[0]" if len(run.stage_layers) > 1 else "n_layer")
+        if run.master:
+            print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
             path, ckpt = resume_checkpoint(cfg.out_dir, previous=cfg.init_from == "resume_previous")
