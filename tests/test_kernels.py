@@ -50,7 +50,8 @@ def triton_only(monkeypatch):
         fill = -128 if dtype == torch.int8 else float("nan")
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(frozen_lora, "frozen_lora_linear_reference", unreachable)
+    monkeypatch.setattr(frozen_lora, "_reference_forward", unreachable)
+    monkeypatch.setattr(frozen_lora, "_reference_backward", unreachable)
     monkeypatch.setattr(quant, "quantize_int8_reference", unreachable)
     monkeypatch.setattr(quant, "dequantize_int8_reference", unreachable)
     monkeypatch.setattr(quant, "_empty", poisoned)
@@ -344,8 +345,7 @@ def test_choose_path_rule_and_override(monkeypatch):
     big = (frozen_lora.HYBRID_MIN_TOKENS, 2048, 2048)
     assert frozen_lora.choose_path(*big, 16) == "hybrid"
     assert frozen_lora.choose_path(1024, 2048, 2048, 16) == "fused"
-    assert frozen_lora.choose_path(8192, 1024, 1024, 16) == "fused-recompute"
-    assert frozen_lora.choose_path(8192, 1024, 1024, 64) == "fused"
+    assert frozen_lora.choose_path(8192, 1024, 1024, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "fused")
     assert frozen_lora.choose_path(*big, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "cublas")
