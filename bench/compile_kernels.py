@@ -17,6 +17,7 @@ serialised in any of its configs: the targets of kernel_anchors.md §9, kept by 
 import argparse
 import contextlib
 import io
+import multiprocessing
 import os
 import re
 import sys
@@ -24,6 +25,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"       # a cached kernel would skip ptxas and its report
+os.environ.pop("TRITON_INTERPRET", None)         # interpreted kernels cannot be compiled
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -110,7 +112,7 @@ def _mode(name, kw):
     return ""
 
 
-def variants(arch, dtypes, shape_names):
+def variants(arch, dtypes, shape_names, kernel_names):
     """The distinct compilations: launches that specialise the same way (dtypes, 16-divisibility
     of every integer and pointer, constexprs) share one, and the table lists whom it serves."""
     backend = make_backend(GPUTarget("cuda", arch, 32))
@@ -120,6 +122,8 @@ def variants(arch, dtypes, shape_names):
         for layer, (n, k) in (("attn", (c, c)), ("up", (f, c)), ("down", (c, f))):
             for dt in dtypes:
                 for name, kernel, args, kw in record(m, n, k, r, DTYPES[dt]):
+                    if name not in kernel_names:
+                        continue
                     fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
                     binder = create_function_from_signature(fn.signature, fn.params, backend)
                     for ci, cfg in enumerate(configs_of(kernel)):
@@ -176,17 +180,22 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x10")
     p.add_argument("--dtypes", default="bf16,fp16", help=f"comma-separated, of {', '.join(DTYPES)}")
     p.add_argument("--shapes", default="small,350m,1b,ragged", help="comma-separated, of small, 350m, 1b, ragged")
+    p.add_argument("--kernels", default=",".join(n for _, n in _KERNELS), help="comma-separated kernel names")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiler processes")
     args = p.parse_args(argv)
-    dtypes, names = args.dtypes.split(","), args.shapes.split(",")
-    for bad in [d for d in dtypes if d not in DTYPES] + [s for s in names if s not in shapes()]:
-        sys.exit(f"compile_kernels: unknown dtype or shape {bad!r}; see --help")
+    dtypes, names, kernel_names = args.dtypes.split(","), args.shapes.split(","), args.kernels.split(",")
+    for bad in ([d for d in dtypes if d not in DTYPES] + [s for s in names if s not in shapes()] +
+                [k for k in kernel_names if k not in [n for _, n in _KERNELS]]):
+        sys.exit(f"compile_kernels: unknown dtype, shape or kernel {bad!r}; see --help")
 
     global _ARCH, _VARIANTS
-    _ARCH, _VARIANTS = args.arch, variants(args.arch, dtypes, names)
+    _ARCH, _VARIANTS = args.arch, variants(args.arch, dtypes, names, kernel_names)
     t0 = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:   # forked: the workers inherit _VARIANTS
-        results = list(pool.map(compile_one, range(len(_VARIANTS))))
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:   # inherit _VARIANTS
+            results = list(pool.map(compile_one, range(len(_VARIANTS))))
+    else:
+        results = [compile_one(i) for i in range(len(_VARIANTS))]
     limit = SHARED_LIMIT[args.arch]
 
     print(f"sm_{args.arch}, triton {triton.__version__}, {len(results)} variants in {time.time() - t0:.0f} s; "
