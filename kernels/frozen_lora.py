@@ -1,9 +1,8 @@
 """y = x @ (q * scale)^T + s * (x @ A^T) @ B^T  with q frozen int8, differentiable in x, A, B.
 
-The reference never builds the dequantised weight: the row scale is applied to the output columns
-in the forward ((x @ q^T) * scale) and to dY in the backward (dX = (dY * scale) @ q). The only
-weight-sized temporary is q cast to the compute dtype, which lives for one matmul and is never
-saved for backward.
+The reference (the CPU path and the tests' oracle) dequantises the weight for each matmul into one
+transient temporary (q cast to the compute dtype, times the row scale), never saved for backward:
+on a CPU that is cheaper than scaling the output columns, and the saved state stays int8.
 
 The Triton path follows shared/research/kernel_anchors.md §9. Per layer and step:
 
@@ -37,25 +36,29 @@ except ImportError:  # no triton wheel (macOS, Windows): keep the module importa
     tl = SimpleNamespace(constexpr=None)
 
 
+def _weight(q, scale, dt):
+    # the one weight-sized temporary: q cast to the compute dtype, the row scale applied in place
+    # (N·K multiplies, against M·N for scaling the output: fewer whenever M > K)
+    w = q.to(dt)
+    return w.mul_(scale.to(dt)[:, None]) if scale is not None else w
+
+
 def _reference_forward(x, q, scale, lora_a, lora_b, lora_scale):
     # x [M, K] in the compute dtype; q [N, K] int8 with scale [N] fp32, or a float weight with
     # scale None (the bf16 store); A [r, K]; B [N, r]  ->  y [M, N], S = x·Aᵀ [M, r]
     dt = x.dtype
-    a, b = lora_a.to(dt), lora_b.to(dt)
-    s = x @ a.t()                                               # [M, r]
-    y = x @ q.to(dt).t()
-    if scale is not None:
-        y = y * scale.to(dt)
-    return y + lora_scale * (s @ b.t()), s
+    s = x @ lora_a.to(dt).t()                                   # [M, r]
+    y = torch.addmm(s @ lora_b.to(dt).t(), x, _weight(q, scale, dt).t(), beta=lora_scale)   # [M, N]
+    return y, s
 
 
 def _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
     dyb = dy @ b                                                # [M, r]
-    dx = ((dy * scale.to(dt) if scale is not None else dy) @ q.to(dt) + lora_scale * (dyb @ a)) if need_dx else None
-    da = (lora_scale * dyb.t() @ x).to(lora_a.dtype)            # [r, K]
-    db = (lora_scale * dy.t() @ s).to(lora_b.dtype)             # [N, r]
+    dx = torch.addmm(dyb @ a, dy, _weight(q, scale, dt), beta=lora_scale) if need_dx else None   # [M, K]
+    da = (dyb.t() @ x).mul_(lora_scale).to(lora_a.dtype)       # [r, K]
+    db = (dy.t() @ s).mul_(lora_scale).to(lora_b.dtype)        # [N, r]
     return dx, da, db
 
 
