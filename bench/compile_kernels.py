@@ -15,6 +15,7 @@ or if a main GEMM (_fwd_kernel, _dx_kernel) in bf16 at the 350M or 1B shapes spi
 serialised in any of its configs: the targets of kernel_anchors.md §9, kept by CI.
 """
 import argparse
+import collections
 import contextlib
 import io
 import multiprocessing
@@ -162,7 +163,8 @@ def compile_one(i):
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return dict(error=first[:160], seconds=time.time() - t0)
     log, ptx = log.getvalue(), k.asm["ptx"]
-    widths = {int(w, 0) for w in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (\w+)", ptx)}
+    widths = collections.Counter(int(w, 0) for w in
+                                 re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
     return dict(
         shared=k.metadata.shared,
         regs=int(re.search(r"Used (\d+) registers", log).group(1)),
@@ -170,7 +172,7 @@ def compile_one(i):
         serial=sorted(set(re.findall(r"\((C75\d\d)\)", log))),
         mma="wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else
             "fma" if ptx.count("fma.rn.f32") > 256 else "-",
-        cp_async=min(widths) if widths else 0,
+        cp_async=" ".join(f"{n}x{w}" for w, n in sorted(widths.items(), reverse=True)) or "none",
         scalar=len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.b(?:8|16) ", ptx)),
         seconds=time.time() - t0)
 
@@ -203,10 +205,10 @@ def main(argv=None):
     for name, shape in shapes().items():
         if name in names:
             print(f"  {name}: M={shape[0]} tokens, n_embd {shape[1]}, ffn {shape[2]}, rank {shape[3]}")
-    print("cp.async: narrowest asynchronous copy in bytes (16 = vectorised, 0 = none, so no pipelined K-loop); "
-          "scalar: 1- and 2-byte global loads/stores")
+    print("cp.async: the kernel's asynchronous global-to-shared copies, count x bytes (16 = vectorised; none: "
+          "no pipelined K-loop); scalar: 1- and 2-byte global loads and stores")
     head = (f"| {'kernel':<17} | {'mode':<13} | {'dtype':<5} | {'config (tiles, stages, warps)':<29} | "
-            f"{'smem B':>7} | {'regs':>4} | {'spill B':>7} | {'MMA':<8} | {'cp.async':>8} | {'scalar':>6} | "
+            f"{'smem B':>7} | {'regs':>4} | {'spill B':>7} | {'MMA':<8} | {'cp.async':<14} | {'scalar':>6} | "
             f"{'ptxas notes':<11} | used by")
     print(head)
     print("|" + "|".join("-" * (len(c) + 2) for c in head.strip("| ").split(" | ")) + "|")
@@ -228,7 +230,7 @@ def main(argv=None):
             fits[(v["name"], v["mode"]) + launch] = fits.get((v["name"], v["mode"]) + launch, False) or ok
         smem = f"{res['shared']:,}" + ("" if ok else "!")
         print(f"| {v['name']:<17} | {v['mode']:<13} | {v['dtype']:<5} | {cfg:<29} | {smem:>7} | {res['regs']:>4} | "
-              f"{res['spill']:>7} | {res['mma']:<8} | {res['cp_async']:>8} | {res['scalar']:>6} | "
+              f"{res['spill']:>7} | {res['mma']:<8} | {res['cp_async']:<14} | {res['scalar']:>6} | "
               f"{' '.join(res['serial']) or '-':<11} | {uses}")
         if v["name"] in MAIN_GEMMS and v["dtype"] == "bf16" and \
                 any(s in ("350m", "1b") for s, _, _ in v["launches"]) and (res["spill"] or res["serial"] or not ok):
