@@ -11,8 +11,8 @@ so the dtypes, strides, divisibility and constexprs are exactly what a CUDA run 
 recorded launch is then compiled once per autotune config.
 
 Exit status 1 if a variant fails to compile, if a launch has no config that fits the shared memory,
-or if a main GEMM (_fwd_kernel, _dx_kernel) in bf16 at the 350M or 1B shapes spills or is
-serialised in any of its configs: the targets of kernel_anchors.md §9, kept by CI.
+or (on sm_90) if a main GEMM (_fwd_kernel, _dx_kernel) in bf16 at the 350M or 1B shapes spills or
+is serialised in any of its configs: the targets of kernel_anchors.md §9, kept by CI.
 """
 import argparse
 import collections
@@ -242,7 +242,8 @@ def main(argv=None):
           f"that spill, serialise or do not fit")
     for line in failures + [f"no config fits: {k}" for k in nofit] + [f"target missed: {b}" for b in bad_main]:
         print("  " + line)
-    return 1 if failures or nofit or bad_main else 0
+    # the spill and serialisation target is the H100/H200's (kernel_anchors.md §9); elsewhere listed
+    return 1 if failures or nofit or (bad_main and args.arch == 90) else 0
 
 
 if __name__ == "__main__":
