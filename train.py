@@ -40,7 +40,7 @@ MODEL_KEYS = {"data_dir", "n_layer", "n_head", "n_embd", "ffn_hidden", "block_si
               "norm_eps", "lora_rank", "lora_alpha", "frozen_dtype", "stage_layers", "target_layers", "n_stages", "grow_init",
               "grow_where", "train_embeddings"}
 # keys that may differ between a run and its resume without changing what is computed
-RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "log_interval", "sample_tokens",
+RESUMABLE = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval", "sample_tokens",
              "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every", "activation_checkpointing",
              "loss_chunk"}
 
@@ -355,7 +355,7 @@ def setup(cfg):
         restarts += [s + k for s, n in zip(starts[1:], stage_iters[1:]) for k in range(cfg.relora_every, n, cfg.relora_every)]
     return Run(cfg, device, rank, world, dtype,
                torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext(),
-               cfg.compile and device.type == "cuda", data, meta, vocab_size, tokens_per_iter, stage_layers,
+               cfg.compile and (device.type == "cuda" or cfg.compile_cpu), data, meta, vocab_size, tokens_per_iter, stage_layers,
                stage_iters, [sum(stage_layers[:i + 1]) for i in range(len(stage_layers))], sorted(restarts))
 
 
@@ -416,7 +416,7 @@ def describe(run):
     peak = peak_flops(device)
     rows = [("device", f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})"),
             ("dtype", run.dtype + (" (bf16 autocast, fp32 master weights)" if run.dtype == "bfloat16" else "")),
-            ("compile", f"{run.use_compile}" + ("" if run.use_compile or not cfg.compile else " (off: CPU)")),
+            ("compile", f"{run.use_compile}" + ("" if run.use_compile or not cfg.compile else " (off on CPU: --compile_cpu=True)")),
             ("kernels", ("triton" if kernels.use_triton(torch.empty(0, device=device)) else "pytorch reference")
              + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
             ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),

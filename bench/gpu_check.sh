@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check, under 8 minutes: the CUDA kernel tests, the quick kernel benchmark and a
-# short training run, all logged to bench/gpu_check.log. Installs nothing. Run from anywhere:
+# One prepared GPU check, under 8 minutes: the CUDA kernel tests, the quick kernel benchmark, the
+# step-time benchmark and a short training run, all logged to bench/gpu_check.log. Installs
+# nothing. Run from anywhere:
 #
 #     bash bench/gpu_check.sh            # writes bench/gpu_check.log and bench/kernels_gpu.md
 #
@@ -38,6 +39,8 @@ python -c "import sys, torch, triton; print('python', sys.version.split()[0], '|
 step "pytest -m gpu" 120 python -m pytest -q -m gpu tests/
 step "kernel tests on CUDA" 60 env STEP_KERNELS=triton python -m pytest -q -m "not gpu" tests/test_kernels.py
 step "bench --quick" 100 python bench/kernels.py --quick --out bench/kernels_gpu.md
+# STEP's last stage against vanilla at 350M width (8 of its 24 layers), compiled, bf16 autocast
+step "bench/train.py 350M width" 90 python bench/train.py config/step_350m.py --layers 8 --batch 8 --block 1024 --vocab 32000 --compile
 # STEP vs vanilla at the small scale, with torch.compile as users run it (bf16 autocast, Triton
 # kernels in the frozen layers). The device has no internet: carry data/shakespeare with the tree.
 if [ -f data/shakespeare/train.bin ]; then

@@ -1,23 +1,25 @@
 """y = x @ (q * scale)^T + s * (x @ A^T) @ B^T  with q frozen int8, differentiable in x, A, B.
 
-The reference never builds the dequantised weight: the row scale is applied to the output columns
-in the forward ((x @ q^T) * scale) and to dY in the backward (dX = (dY * scale) @ q), the same
-placement the fused kernel uses. The only weight-sized temporary is q cast to the compute dtype,
-which lives for one matmul and is never saved for backward.
+The reference (the CPU path and the tests' oracle) dequantises the weight for each matmul into one
+transient temporary (q cast to the compute dtype, times the row scale), never saved for backward:
+on a CPU that is cheaper than scaling the output columns, and the saved state stays int8.
 
 The Triton path follows shared/research/kernel_anchors.md §9. Per layer and step:
 
   F1 _lora_down_kernel  S   = x·Aᵀ                               [M, r]  memory-bound, saved for B1
-  F2 _fwd_kernel        y   = (x·Qᵀ)·diag(scale) + s·S·Bᵀ        [M, N]  main GEMM (can recompute S)
+  F2 _fwd_kernel        y   = (x·Qᵀ)·diag(scale) + s·S·Bᵀ        [M, N]  main GEMM
   B1 _lora_bwd_kernel   dYB = dY·B,  dB = s·dYᵀ·S,  dA = s·dYBᵀ·x        one pass over dY and over x
   B3 _dx_kernel         dX  = (dY·diag(scale))·Q + s·dYB·A       [M, K]  main GEMM
 
-Q is converted int8 -> compute dtype tile by tile inside the K-loop (exact, |q| <= 127); the
-dequantised weight is never written to memory. All accumulation is fp32. choose_path() picks per
+Q is dequantised tile by tile in registers inside the K-loop (q·scale rounded once to the compute
+dtype, the value the hybrid path's dequantised weight holds) and is never written to memory. All
+accumulation is fp32; every kernel is compiled for sm_90 and checked for spills, shared memory and
+serialised wgmma pipelines by bench/compile_kernels.py, on every CI run. choose_path() picks per
 shape between that fused path and a hybrid one (dequantise into a reused scratch buffer, cuBLAS for
 the two main GEMMs, F1/B1 for the low-rank side).
 """
 import os
+from typing import Optional
 
 import torch
 
@@ -34,39 +36,30 @@ except ImportError:  # no triton wheel (macOS, Windows): keep the module importa
     tl = SimpleNamespace(constexpr=None)
 
 
-class FrozenLoRALinearReference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, q, scale, lora_a, lora_b, lora_scale):
-        # x [M, K] in the compute dtype; q [N, K] int8 with scale [N] fp32, or a float weight with
-        # scale None (the bf16 store); A [r, K]; B [N, r]
-        dt = x.dtype
-        a, b = lora_a.to(dt), lora_b.to(dt)
-        xa = x @ a.t()                                          # [M, r]
-        y = x @ q.to(dt).t()
-        if scale is not None:
-            y = y * scale.to(dt)
-        y = y + lora_scale * (xa @ b.t())                       # [M, N]
-        ctx.save_for_backward(x, q, scale, lora_a, lora_b, xa)
-        ctx.lora_scale = lora_scale
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, q, scale, lora_a, lora_b, xa = ctx.saved_tensors
-        s, dt = ctx.lora_scale, x.dtype
-        a, b = lora_a.to(dt), lora_b.to(dt)
-        dy = dy.to(dt)
-        dyb = dy @ b                                            # [M, r]
-        dx = (dy * scale.to(dt) if scale is not None else dy) @ q.to(dt) + s * (dyb @ a)     # [M, K]
-        da = (s * dyb.t() @ x).to(lora_a.dtype)                 # [r, K]
-        db = (s * dy.t() @ xa).to(lora_b.dtype)                 # [N, r]
-        return dx, None, None, da, db, None
+def _weight(q, scale, dt):
+    # the one weight-sized temporary: q cast to the compute dtype, the row scale applied in place
+    # (N·K multiplies, against M·N for scaling the output: fewer whenever M > K)
+    w = q.to(dt)
+    return w.mul_(scale.to(dt)[:, None]) if scale is not None else w
 
 
-def frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale):
-    lead, k = x.shape[:-1], x.shape[-1]
-    y = FrozenLoRALinearReference.apply(x.reshape(-1, k), q, scale, lora_a, lora_b, float(lora_scale))
-    return y.reshape(*lead, q.shape[0])
+def _reference_forward(x, q, scale, lora_a, lora_b, lora_scale):
+    # x [M, K] in the compute dtype; q [N, K] int8 with scale [N] fp32, or a float weight with
+    # scale None (the bf16 store); A [r, K]; B [N, r]  ->  y [M, N], S = x·Aᵀ [M, r]
+    dt = x.dtype
+    s = x @ lora_a.to(dt).t()                                   # [M, r]
+    y = torch.addmm(s @ lora_b.to(dt).t(), x, _weight(q, scale, dt).t(), beta=lora_scale)   # [M, N]
+    return y, s
+
+
+def _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
+    dt = x.dtype
+    a, b = lora_a.to(dt), lora_b.to(dt)
+    dyb = dy @ b                                                # [M, r]
+    dx = torch.addmm(dyb @ a, dy, _weight(q, scale, dt), beta=lora_scale) if need_dx else None   # [M, K]
+    da = (dyb.t() @ x).mul_(lora_scale).to(lora_a.dtype)       # [r, K]
+    db = (dy.t() @ s).mul_(lora_scale).to(lora_b.dtype)        # [N, r]
+    return dx, da, db
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,8 +76,10 @@ _ONE_CONFIG = kernels.INTERPRET or not torch.cuda.is_available()
 
 def _configs(names, rows):
     # each row: the tile sizes named in `names`, then num_stages, num_warps
-    configs = [triton.Config(dict(zip(names, row[:-2])), num_stages=row[-2], num_warps=row[-1])
-               for row in rows]
+    return [triton.Config(dict(zip(names, row[:-2])), num_stages=row[-2], num_warps=row[-1]) for row in rows]
+
+
+def _tuned(configs):
     return configs[:1] if _ONE_CONFIG else configs
 
 
@@ -97,8 +92,8 @@ _MAIN_ROWS = [
     (128, 256, 64, 8, 3, 8),
     (256, 128, 64, 8, 3, 8),
     (128, 128, 128, 8, 3, 8),
-    (64, 256, 64, 8, 4, 4),
-    (256, 64, 64, 8, 4, 4),
+    (64, 256, 64, 8, 4, 8),
+    (256, 64, 64, 8, 4, 8),
 ]
 # F2: output tile BLOCK_M x BLOCK_N, K-step BLOCK_K. B3: output tile BLOCK_M x BLOCK_K, N-step BLOCK_N.
 _FWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), _MAIN_ROWS)
@@ -107,8 +102,7 @@ _DX_CONFIGS = _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _MAIN_ROWS)
 _DOWN_CONFIGS = _configs(("BLOCK_M", "BLOCK_K"), [
     (64, 64, 3, 4), (128, 128, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4), (32, 128, 4, 4)])
 _BWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), [
-    (64, 64, 64, 3, 4), (128, 128, 128, 4, 8), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4),
-    (32, 128, 128, 4, 4)])
+    (64, 64, 64, 3, 4), (128, 128, 64, 3, 8), (64, 128, 128, 4, 8), (128, 64, 64, 4, 8)])
 
 
 @triton.jit
@@ -124,7 +118,7 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
-@triton.autotune(configs=_DOWN_CONFIGS, key=["M", "K", "R"])
+@triton.autotune(configs=_tuned(_DOWN_CONFIGS), key=["M", "K", "R"])
 @triton.jit
 def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, K, R, stride_xm, stride_xk, stride_ar, stride_ak,
                       PRECISION: tl.constexpr, R_PAD: tl.constexpr,
@@ -149,15 +143,14 @@ def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, K, R, stride_xm, stride_xk, stride
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["M", "N", "K", "R", "RECOMPUTE_S"])
+@triton.autotune(configs=_tuned(_FWD_CONFIGS), key=["M", "N", "K", "R"])
 @triton.jit
-def _fwd_kernel(x_ptr, q_ptr, scale_ptr, a_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, K, R,
-                stride_xm, stride_xk, stride_ar, stride_ak, stride_bn, stride_br,
-                RECOMPUTE_S: tl.constexpr, PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+def _fwd_kernel(x_ptr, q_ptr, scale_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, K, R,
+                stride_xm, stride_xk, stride_bn, stride_br,
+                PRECISION: tl.constexpr, R_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr):
-    # F2: one BLOCK_M x BLOCK_N tile of y. With RECOMPUTE_S the tile also computes S = x·Aᵀ for its
-    # rows in the same K-loop (r/BLOCK_N extra MMA work) instead of reading S written by F1.
+    # F2: one BLOCK_M x BLOCK_N tile of y
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tile_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,39 +164,30 @@ def _fwd_kernel(x_ptr, q_ptr, scale_ptr, a_ptr, b_ptr, s_ptr, y_ptr, lora_scale,
     dt = x_ptr.dtype.element_ty
     # The tile is computed transposed, yᵀ = Q·xᵀ, so that the converted int8 tile is the MMA's
     # left operand, which Hopper's wgmma reads from registers: it never goes back to shared memory.
+    # The low-rank term s·B·Sᵀ starts the accumulator, so that from there on only MMAs write it: an
+    # epilogue that scales or adds to it after the K-loop makes ptxas serialise the wgmma pipeline
+    # (C7515) or hold a second fp32 tile and spill (bench/compile_kernels.py measures both).
+    bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                 mask=r_ok[None, :], other=0.0)                                                # [BN, R_PAD]
+    st = tl.load(s_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None],
+                 mask=r_ok[:, None], other=0.0)                                                # [R_PAD, BM]
+    bt = (bt.to(tl.float32) * lora_scale).to(dt)
+    acc = tl.dot(bt, st, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), input_precision=PRECISION)  # yᵀ
+    scale = tl.load(scale_ptr + offs_n)                                                        # [BN] fp32
     q_ptrs = q_ptr + offs_n[:, None] * K + offs_k[None, :]                                     # [BN, BK]
     xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk   # [BK, BM]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                                       # yᵀ
-    if RECOMPUTE_S:
-        a_ptrs = a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak             # [R_PAD, BK]
-        st = tl.zeros((R_PAD, BLOCK_M), dtype=tl.float32)                                      # Sᵀ
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         q = tl.load(q_ptrs, mask=k_ok[None, :], other=0)
         xt = tl.load(xt_ptrs, mask=k_ok[:, None], other=0.0)
-        # int8 -> compute dtype is exact; the per-row scale waits for the epilogue
-        acc = tl.dot(q.to(dt), xt, acc, input_precision=PRECISION)
-        if RECOMPUTE_S:
-            a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            st = tl.dot(a, xt, st, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
+        # dequantised in registers with the row scale and rounded once, as the hybrid path's
+        # weight is; the dequantised weight never exists in memory
+        w = (q.to(tl.float32) * scale[:, None]).to(dt)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         q_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K * stride_xk
-
-    m_ok = tile_m < M
-    s_ptrs = s_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None]                        # [R_PAD, BM]
-    if RECOMPUTE_S:
-        st = st.to(dt)  # rounded like F1's stored S, so both variants feed B1 the same values
-        if pid_n == 0:  # every column tile recomputed the same S; the first keeps it for the backward
-            tl.store(s_ptrs, st, mask=r_ok[:, None] & m_ok[None, :])
-    else:
-        st = tl.load(s_ptrs, mask=r_ok[:, None], other=0.0)
-    scale = tl.load(scale_ptr + offs_n)                                                        # [BN] fp32
-    bt = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                 mask=r_ok[None, :], other=0.0)                                                # [BN, R_PAD]
-    acc = acc * scale[:, None] + lora_scale * tl.dot(bt, st, input_precision=PRECISION)
     y_ptrs = y_ptr + tile_m[None, :].to(tl.int64) * N + tile_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(tile_n[:, None] < N) & m_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(tile_n[:, None] < N) & (tile_m[None, :] < M))
 
 
 @triton.jit
@@ -215,7 +199,7 @@ def _accumulate(ptrs, value, mask, DETERMINISTIC: tl.constexpr):
         tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["M", "N", "K", "R", "DETERMINISTIC"],
+@triton.autotune(configs=_tuned(_BWD_CONFIGS), key=["M", "N", "K", "R", "DETERMINISTIC"],
                  reset_to_zero=["da_ptr", "db_ptr"])
 @triton.jit
 def _lora_bwd_kernel(dy_ptr, x_ptr, b_ptr, s_ptr, dyb_ptr, da_ptr, db_ptr, M, N, K, R,
@@ -264,7 +248,7 @@ def _lora_bwd_kernel(dy_ptr, x_ptr, b_ptr, s_ptr, dyb_ptr, da_ptr, db_ptr, M, N,
                         r_ok[:, None] & k_ok[None, :], DETERMINISTIC)
 
 
-@triton.autotune(configs=_DX_CONFIGS, key=["M", "N", "K", "R"])
+@triton.autotune(configs=_tuned(_DX_CONFIGS), key=["M", "N", "K", "R"])
 @triton.jit
 def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, N, K, R,
                stride_dym, stride_dyn, stride_ar, stride_ak,
@@ -284,23 +268,25 @@ def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, 
     # transposed again, dXᵀ = Qᵀ·(diag(scale)·dYᵀ), to keep the converted int8 tile on the left
     qt_ptrs = q_ptr + offs_n[None, :] * K + offs_k[:, None]                                      # [BK, BN]
     dyt_ptrs = dy_ptr + offs_m[None, :].to(tl.int64) * stride_dym + offs_n[:, None] * stride_dyn  # [BN, BM]
-    acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)                                         # dXᵀ
+    # as in F2, the low-rank term s·A·dYBᵀ starts the accumulator and only MMAs write it after
+    at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                 mask=r_ok[None, :], other=0.0)                                                  # [BK, R_PAD]
+    dybt = tl.load(dyb_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None],
+                   mask=r_ok[:, None], other=0.0)                                                # [R_PAD, BM]
+    at = (at.to(tl.float32) * lora_scale).to(dt)
+    acc = tl.dot(at, dybt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), input_precision=PRECISION)  # dXᵀ
     for n0 in range(0, N, BLOCK_N):
         n_ok = offs_n < N - n0
         qt = tl.load(qt_ptrs, mask=n_ok[None, :], other=0)
         dyt = tl.load(dyt_ptrs, mask=n_ok[:, None], other=0.0)
         scale = tl.load(scale_ptr + n0 + offs_n, mask=n_ok, other=0.0)
-        # the sum runs over N, so the row scale cannot wait for an epilogue: it scales the dY tile
-        dyt = (dyt.to(tl.float32) * scale[:, None]).to(dt)
-        acc = tl.dot(qt.to(dt), dyt, acc, input_precision=PRECISION)
+        # the scale goes onto the register operand, as in F2: scaling the dY tile instead would pull
+        # that shared-memory operand into registers and back, and spill
+        wt = (qt.to(tl.float32) * scale[None, :]).to(dt)
+        acc = tl.dot(wt, dyt, acc, input_precision=PRECISION)
         qt_ptrs += BLOCK_N * K
         dyt_ptrs += BLOCK_N * stride_dyn
 
-    at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                 mask=r_ok[None, :], other=0.0)                                                  # [BK, R_PAD]
-    dybt = tl.load(dyb_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None],
-                   mask=r_ok[:, None], other=0.0)                                                # [R_PAD, BM]
-    acc += lora_scale * tl.dot(at, dybt, input_precision=PRECISION)
     dx_ptrs = dx_ptr + tile_m[None, :].to(tl.int64) * K + tile_k[:, None]
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(tile_k[:, None] < K) & (tile_m[None, :] < M))
 
@@ -339,15 +325,15 @@ def _lora_down(x, a):
     return s
 
 
-def _fused_forward(x, q, scale, a, b, lora_scale, recompute_s):
+def _fused_forward(x, q, scale, a, b, lora_scale):
     m, k = x.shape
     n, r = q.shape[0], a.shape[0]
-    s = _empty((m, r), x.dtype, x.device) if recompute_s else _lora_down(x, a)
+    s = _lora_down(x, a)
     y = _empty((m, n), x.dtype, x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _fwd_kernel[grid](x, q, scale, a, b, s, y, lora_scale, m, n, k, r,
-                      x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                      RECOMPUTE_S=recompute_s, PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
+    _fwd_kernel[grid](x, q, scale, b, s, y, lora_scale, m, n, k, r,
+                      x.stride(0), x.stride(1), b.stride(0), b.stride(1),
+                      PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
     return y, s
 
 
@@ -415,66 +401,111 @@ def _dequantize_to_scratch(q, scale, dtype):
 # M=2k, 3% at 8k), while public Triton int8 x bf16 main loops reach 0.4-0.8x of cuBLAS; so large
 # M goes hybrid unless bench shows the fused kernel >= 0.95x cuBLAS. Small weights stay fused:
 # there the extra launches (dequantise, addmm) cost more than the GEMM efficiency gains.
-# Within "fused", S = x·Aᵀ is recomputed in every column tile ("fused-recompute", no F1 launch)
-# iff r < BLOCK_N·F/(N·BW), i.e. r·N <= RECOMPUTE_S_MAX_RN with BLOCK_N = 128 on an H200.
+# (A third path that recomputed S = x·Aᵀ inside F2's K-loop, saving F1's launch, was dropped: two
+# accumulators through the loop serialised the wgmma pipeline in every config on sm_90.)
 HYBRID_MIN_TOKENS = 2048
 HYBRID_MIN_WEIGHT = 2048 * 2048
-RECOMPUTE_S_MAX_RN = 128 * 165
-PATHS = ("fused", "fused-recompute", "hybrid")
+PATHS = ("fused", "hybrid")
 
 
 def choose_path(m, n, k, r):
-    """The path for x [m, k] through q [n, k] at rank r; STEP_LORA_PATH=fused|fused-recompute|hybrid
-    overrides the rule (default auto)."""
+    """The path for x [m, k] through q [n, k] at rank r; STEP_LORA_PATH=fused|hybrid overrides the
+    rule (default auto)."""
     path = os.environ.get("STEP_LORA_PATH", "auto")
     if path != "auto":
         if path not in PATHS:
             raise ValueError(f"STEP_LORA_PATH={path!r} is not one of auto, {', '.join(PATHS)}")
         return path
-    if m >= HYBRID_MIN_TOKENS and n * k >= HYBRID_MIN_WEIGHT:
-        return "hybrid"
-    return fused_variant(n, r)
+    return "hybrid" if m >= HYBRID_MIN_TOKENS and n * k >= HYBRID_MIN_WEIGHT else "fused"
 
 
-def fused_variant(n, r):
-    """The fused path's way to get S at output width n and rank r (rule 2 above)."""
-    return "fused-recompute" if r * n <= RECOMPUTE_S_MAX_RN else "fused"
+def _triton_forward(x, q, scale, lora_a, lora_b, lora_scale, path):
+    # x [M, K] compute dtype, any strides; q [N, K] int8 contiguous; scale [N] fp32; A [r, K]; B [N, r]
+    dt = x.dtype
+    a, b = lora_a.to(dt), lora_b.to(dt)
+    if path == "hybrid":
+        s = _lora_down(x, a)                                            # [M, r]
+        y = torch.mm(x, _dequantize_to_scratch(q, scale, dt).t())       # [M, N]
+        return y.addmm_(s, b.t(), alpha=lora_scale), s
+    return _fused_forward(x, q, scale, a, b, lora_scale)
 
 
-class FrozenLoRALinearTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, q, scale, lora_a, lora_b, lora_scale, path):
-        # x [M, K] compute dtype, any strides; q [N, K] int8 contiguous; scale [N] fp32; A [r, K]; B [N, r]
-        dt = x.dtype
-        a, b = lora_a.to(dt), lora_b.to(dt)
+def _triton_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx):
+    dt = x.dtype
+    a, b = lora_a.to(dt), lora_b.to(dt)
+    dyb, da, db = _lora_backward(dy, x, b, s, _deterministic())
+    dx = None
+    if need_dx:
         if path == "hybrid":
-            s = _lora_down(x, a)                                            # [M, r]
-            y = torch.mm(x, _dequantize_to_scratch(q, scale, dt).t())       # [M, N]
-            y.addmm_(s, b.t(), alpha=lora_scale)
+            dx = torch.mm(dy, _dequantize_to_scratch(q, scale, dt))     # [M, K]
+            dx.addmm_(dyb, a, alpha=lora_scale)
         else:
-            y, s = _fused_forward(x, q, scale, a, b, lora_scale, recompute_s=path == "fused-recompute")
-        # saved: x and the small S only; the dequantised weight is rebuilt in the backward if needed
-        ctx.save_for_backward(x, q, scale, lora_a, lora_b, s)
-        ctx.lora_scale, ctx.path = lora_scale, path
-        return y
+            dx = _fused_dx(dy, q, scale, a, dyb, lora_scale)
+    return dx, (lora_scale * da).to(lora_a.dtype), (lora_scale * db).to(lora_b.dtype)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, q, scale, lora_a, lora_b, s = ctx.saved_tensors
-        dt, lora_scale = x.dtype, ctx.lora_scale
-        a, b = lora_a.to(dt), lora_b.to(dt)
-        dy = dy.to(dt)
-        dyb, da, db = _lora_backward(dy, x, b, s, _deterministic())
-        dx = None
-        if ctx.needs_input_grad[0]:
-            if ctx.path == "hybrid":
-                dx = torch.mm(dy, _dequantize_to_scratch(q, scale, dt))     # [M, K]
-                dx.addmm_(dyb, a, alpha=lora_scale)
-            else:
-                dx = _fused_dx(dy, q, scale, a, dyb, lora_scale)
-        da = (lora_scale * da).to(lora_a.dtype)                             # [r, K]
-        db = (lora_scale * db).to(lora_b.dtype)                             # [N, r]
-        return dx, None, None, da, db, None, None
+
+# ----------------------------------------------------------------------------------------------
+# The op: torch.library custom ops, so that torch.compile keeps every frozen linear in its graph
+# (it sees the fake below, never the launchers) and autograd saves only x and S. `path` is
+# "reference" or one of PATHS; the forward also returns S = x·Aᵀ for the backward.
+
+@torch.library.custom_op("step::frozen_lora_linear", mutates_args=())
+def _op(x: torch.Tensor, q: torch.Tensor, scale: Optional[torch.Tensor], lora_a: torch.Tensor,
+        lora_b: torch.Tensor, lora_scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(x.device.type, enabled=False):
+        if path == "reference":
+            return _reference_forward(x, q, scale, lora_a, lora_b, lora_scale)
+        return _triton_forward(x, q, scale, lora_a, lora_b, lora_scale, path)
+
+
+@_op.register_fake
+def _(x, q, scale, lora_a, lora_b, lora_scale, path):
+    return x.new_empty(x.shape[0], q.shape[0]), x.new_empty(x.shape[0], lora_a.shape[0])
+
+
+@torch.library.custom_op("step::frozen_lora_linear_backward", mutates_args=())
+def _op_backward(dy: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: Optional[torch.Tensor],
+                 lora_a: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, lora_scale: float, path: str,
+                 need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -> dX (empty when not needed: an op cannot return None), dA, dB
+    with torch.autocast(x.device.type, enabled=False):
+        dy = dy.to(x.dtype)
+        if path == "reference":
+            dx, da, db = _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx)
+        else:
+            dx, da, db = _triton_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx)
+    return (dx if need_dx else x.new_empty(0)), da, db
+
+
+@_op_backward.register_fake
+def _(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0)), torch.empty_like(lora_a), torch.empty_like(lora_b)
+
+
+def _setup_context(ctx, inputs, output):
+    x, q, scale, lora_a, lora_b, lora_scale, path = inputs
+    ctx.save_for_backward(x, q, scale, lora_a, lora_b, output[1])
+    ctx.lora_scale, ctx.path = lora_scale, path
+
+
+def _backward(ctx, dy, _ds):
+    x, q, scale, lora_a, lora_b, s = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    dx, da, db = _op_backward(dy, x, q, scale, lora_a, lora_b, s, ctx.lora_scale, ctx.path, need_dx)
+    return (dx if need_dx else None), None, None, da, db, None, None
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _apply(x, q, scale, lora_a, lora_b, lora_scale, path):
+    lead, k = x.shape[:-1], x.shape[-1]
+    y, _ = _op(x.reshape(-1, k), q, scale, lora_a, lora_b, float(lora_scale), path)
+    return y.reshape(*lead, q.shape[0])
+
+
+def frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale):
+    return _apply(x, q, scale, lora_a, lora_b, lora_scale, "reference")
 
 
 def frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale, path=None):
@@ -484,25 +515,17 @@ def frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale, path=None
     assert q.shape == (n, k) and scale.shape == (n,), f"q {tuple(q.shape)}, scale {tuple(scale.shape)}"
     assert lora_a.shape == (r, k) and lora_b.shape == (n, r), \
         f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit r={r}, N={n}, K={k}"
-    x2 = x.reshape(-1, k)
-    path = path or choose_path(x2.shape[0], n, k, r)
-    y = FrozenLoRALinearTriton.apply(x2, q.contiguous(), scale.float().contiguous(), lora_a, lora_b,
-                                     float(lora_scale), path)
-    return y.reshape(*lead, n)
+    path = path or choose_path(x.numel() // k, n, k, r)
+    return _apply(x, q.contiguous(), scale.float().contiguous(), lora_a, lora_b, lora_scale, path)
 
 
 def _compute_dtype(x):
-    # autocast does not reach inside an autograd.Function, so take its dtype here, explicitly
+    # autocast does not reach inside a custom op, so take its dtype here, explicitly
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
 
-# torch.compile runs this call eagerly (a graph break per frozen linear) rather than tracing into
-# the autotuned launchers, whose Python-side dispatch it has not been checked against on a GPU.
-# Registering the op with torch.library.custom_op is the way to keep it in the graph; do it once
-# bench/gpu_check.sh has measured what the breaks cost.
-@torch.compiler.disable
 def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
     """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]), or a float
     weight with scale None, plus LoRA A [r, K], B [N, r] scaled by lora_scale. Gradients flow to
@@ -510,9 +533,10 @@ def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
     assert x.shape[-1] == q.shape[1], f"x has K={x.shape[-1]} but the weight has K={q.shape[1]}"
     assert (q.dtype == torch.int8) == (scale is not None), f"an int8 weight needs its row scale; got {q.dtype}"
     x = x.to(_compute_dtype(x))
-    with torch.autocast(x.device.type, enabled=False):
-        # a bf16 store is a plain GEMM, which cuBLAS does best, and without adapters (rank 0)
-        # there is nothing to fuse: both take the reference path on every device
-        if kernels.use_triton(x) and q.dtype == torch.int8 and lora_a.shape[0] > 0:
-            return frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale)
-        return frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale)
+    # a bf16 store is a plain GEMM, which cuBLAS does best; without adapters (rank 0) there is
+    # nothing to fuse; fp32 activations where torch forbids TF32 would make the kernels' dots plain
+    # FMA, far slower than cuBLAS in fp32: all three take the reference path
+    fp32_ok = x.dtype != torch.float32 or kernels.INTERPRET or torch.backends.cuda.matmul.allow_tf32
+    if kernels.use_triton(x) and q.dtype == torch.int8 and lora_a.shape[0] > 0 and fp32_ok:
+        return frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale)
+    return frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale)

@@ -73,3 +73,16 @@ def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
     rows = (tmp_path / "grid" / "table.md").read_text().splitlines()[2:]
     assert [r.split("|")[1].strip() for r in rows] == ["vanilla-s1", "step2-s1"]
     assert all("| 2,048 |" in r for r in rows)
+
+
+def test_train_step_time_bench_as_the_readme_runs_it():
+    """bench/train.py's two README forms, scaled down in depth, batch and length only."""
+    import re
+    small = run("bench/train.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2", "--steps", "1",
+                "--warmup", "1")
+    assert "| STEP, 1 of 2 frozen" in small and "| vanilla" in small
+    ratio = re.search(r"STEP / vanilla step time: (\d+\.\d{3}) measured; (\d\.\d{3}) in training matmul FLOPs", small)
+    assert ratio and 0 < float(ratio.group(2)) < 1
+    wide = run("bench/train.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8", "--vocab",
+               "256", "--windows", "1", "--steps", "1", "--warmup", "0")
+    assert "n_embd 1024, ffn 2736, lora rank 64, vocab 256; batch 1 x 8 tokens" in wide

@@ -50,7 +50,8 @@ def triton_only(monkeypatch):
         fill = -128 if dtype == torch.int8 else float("nan")
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(frozen_lora, "frozen_lora_linear_reference", unreachable)
+    monkeypatch.setattr(frozen_lora, "_reference_forward", unreachable)
+    monkeypatch.setattr(frozen_lora, "_reference_backward", unreachable)
     monkeypatch.setattr(quant, "quantize_int8_reference", unreachable)
     monkeypatch.setattr(quant, "dequantize_int8_reference", unreachable)
     monkeypatch.setattr(quant, "_empty", poisoned)
@@ -344,8 +345,7 @@ def test_choose_path_rule_and_override(monkeypatch):
     big = (frozen_lora.HYBRID_MIN_TOKENS, 2048, 2048)
     assert frozen_lora.choose_path(*big, 16) == "hybrid"
     assert frozen_lora.choose_path(1024, 2048, 2048, 16) == "fused"
-    assert frozen_lora.choose_path(8192, 1024, 1024, 16) == "fused-recompute"
-    assert frozen_lora.choose_path(8192, 1024, 1024, 64) == "fused"
+    assert frozen_lora.choose_path(8192, 1024, 1024, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "fused")
     assert frozen_lora.choose_path(*big, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "cublas")
@@ -401,3 +401,33 @@ def test_quantize_cuda_bf16(triton_only):
     assert torch.equal(q, _QUANT_REF(w)[0]) and torch.equal(scale, _QUANT_REF(w)[1])
     assert torch.equal(kernels.dequantize_int8(q, scale, torch.bfloat16),
                        _DEQUANT_REF(q, scale, torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom ops: schema, fake (meta) functions and autograd registration as torch.library checks them
+
+def _op_inputs(store, r=8):
+    q, scale = _QUANT_REF(torch.randn(24, 40, device=DEVICE))
+    if store == "bf16":
+        q, scale = (q.float() * scale[:, None]).bfloat16(), None
+    x = torch.randn(20, 40, device=DEVICE, requires_grad=True)
+    a = (torch.randn(r, 40, device=DEVICE) / 7).requires_grad_()
+    b = (torch.randn(24, r, device=DEVICE) / 3).requires_grad_()
+    return x, q, scale, a, b
+
+
+@pytest.mark.parametrize("store", ["int8", "bf16"])
+def test_opcheck_reference(store):
+    x, q, scale, a, b = _op_inputs(store)
+    torch.library.opcheck(frozen_lora._op, (x, q, scale, a, b, 2.0, "reference"))
+    s = (x @ a.t()).detach()
+    for need_dx in (True, False):
+        torch.library.opcheck(frozen_lora._op_backward,
+                              (torch.randn(20, 24), x.detach(), q, scale, a.detach(), b.detach(), s, 2.0,
+                               "reference", need_dx))
+
+
+@pytest.mark.parametrize("path", frozen_lora.PATHS)
+def test_opcheck_triton(triton_only, path):
+    x, q, scale, a, b = _op_inputs("int8")
+    torch.library.opcheck(frozen_lora._op, (x, q, scale, a, b, 2.0, path))

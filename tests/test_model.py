@@ -44,10 +44,22 @@ def test_frozen_layers_counts_and_flops():
     assert model.estimate_flops() == expected
 
 
-def test_frozen_lora_linear_backward_computes_no_weight_gradient():
+def test_frozen_lora_linear_backward_computes_no_weight_gradient(monkeypatch):
     """The backward of a frozen layer costs dX plus the low-rank terms, never dW: counted in matmul
-    FLOPs, with an nn.Linear (which does compute dW) as the control."""
+    FLOPs, with an nn.Linear (which does compute dW) as the control. A dispatch mode sees the custom
+    op, not the matmuls inside it, so the count runs inside the op's (reference) backward."""
     from torch.utils.flop_counter import FlopCounterMode
+    from kernels import frozen_lora
+    inside = frozen_lora._reference_backward
+    counted = []
+
+    def counting(*args):
+        with FlopCounterMode(display=False) as counter:
+            out = inside(*args)
+        counted.append(counter.get_total_flops())
+        return out
+
+    monkeypatch.setattr(frozen_lora, "_reference_backward", counting)
     torch.manual_seed(0)
     M, N, K, r = 5, 24, 40, 4
     w = torch.randn(N, K)
@@ -61,10 +73,11 @@ def test_frozen_lora_linear_backward_computes_no_weight_gradient():
     def backward_flops(out):
         with FlopCounterMode(display=False) as counter:
             out.square().sum().backward()
-        return counter.get_total_flops()
+        return counter.get_total_flops() + sum(counted)
 
     lowrank = 2 * M * r * (N + K) * 2                  # dY·B, dYB·A, dYBᵀ·x, dYᵀ·S
-    assert backward_flops(y) == 2 * M * N * K + lowrank
+    assert backward_flops(y) == 2 * M * N * K + lowrank and len(counted) == 1
+    counted.clear()
     assert x.grad is not None and lin.lora_b.grad.abs().sum() > 0
     dense = torch.nn.Linear(K, N, bias=False)
     assert backward_flops(dense(x)) == 2 * (2 * M * N * K)   # dX and dW: the control can tell them apart
@@ -251,3 +264,28 @@ def test_checkpointing_and_chunked_loss_compute_the_same_loss_and_gradients(kw):
     assert torch.allclose(l0, l1, rtol=1e-6, atol=0) and g0.keys() == g1.keys()
     for n in g0:
         assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9), n
+
+
+def test_compiled_model_keeps_frozen_linears_in_one_graph_and_matches_eager():
+    """torch.compile (inductor, CPU, reference op) traces the whole STEP model in one graph: the
+    seven frozen linears of layer 0 are custom ops inside it, not graph breaks."""
+    torch.manual_seed(0)
+    cfg = tiny_config(frozen_layers=(0,), lora_rank=4)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    assert explained.graphs[0].code.count("torch.ops.step.frozen_lora_linear.default") == 7
+    torch._dynamo.reset()
+    logits, loss = torch.compile(model)(idx, idx)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    eager_logits, eager_loss = model(idx, idx)
+    eager_loss.backward()
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert any("lora_a" in n for n in grads)
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

@@ -274,3 +274,20 @@ def test_galore_optimizer_runs_and_resumes(tmp_path):
     train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
     a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_path, monkeypatch):
+    """--compile_cpu=True: torch.compile (inductor) on CPU, the frozen linears inside its graph,
+    recompiled at the stage change; the losses follow the eager run's."""
+    compiled_models, real_compile = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled_models.append(m) or real_compile(m, **kw))
+    common = ["--stage_layers=[1, 1]", "--max_iters=8", "--eval_interval=4"]
+    train.main(args(tmp_path / "eager", *common))
+    assert not compiled_models
+    train.main(args(tmp_path / "compiled", *common, "--compile_cpu=True"))
+    assert len(compiled_models) >= 2        # compiled again for the grown model
+    eager, compiled = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
+    losses = lambda ms: [m["val_loss"] for m in ms if "val_loss" in m]  # noqa: E731
+    assert len(losses(eager)) == len(losses(compiled)) == 3
+    for a, b in zip(losses(eager), losses(compiled)):
+        assert abs(a - b) < 1e-3, (losses(eager), losses(compiled))

@@ -1,0 +1,121 @@
+"""Training step time of STEP's last stage against vanilla pre-training of the same final model.
+
+    python bench/train.py                                          # step_small, on this machine
+    python bench/train.py config/step_350m.py --layers 8 --batch 1 --block 512 --vocab 8192
+
+Both models have the same depth, width, batch and sequence length; STEP's has its first layers
+frozen (int8 + LoRA), as in its last stage. A step is forward, backward and the optimizer step
+(train.build_optimizer's AdamW). The two are timed in alternating windows, so that a change in
+the machine's speed hits both; warm-up steps are left out; the result is the median window.
+
+The expectation is the ratio of training matmul FLOPs (model.estimate_flops: 6 per trainable
+weight, 4 per frozen one, which needs no weight gradient, plus the adapters and attention); on
+the issue's simplified count (4 x frozen + 6 x trainable) / (6 x all) over the layers alone.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import grow  # noqa: E402
+from common import load_config  # noqa: E402
+from model import GPT  # noqa: E402
+from train import build_optimizer  # noqa: E402
+
+
+def build(tcfg, n_layer, n_frozen, vocab, block, device):
+    cfg = grow.model_config(tcfg, n_layer, vocab)
+    cfg.block_size, cfg.frozen_layers = block, tuple(range(n_frozen))
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    return model, build_optimizer(model, tcfg, device)
+
+
+def step(model, opt, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", default="config/step_small.py")
+    p.add_argument("--layers", type=int, default=0, help="depth of both models (default: the config's final depth)")
+    p.add_argument("--frozen", type=int, default=0, help="STEP's frozen layers (default: all but the last stage's)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per step (default: the config's batch_size)")
+    p.add_argument("--block", type=int, default=0, help="tokens per sequence (default: the config's block_size)")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary (default: the config's data)")
+    p.add_argument("--windows", type=int, default=5)
+    p.add_argument("--steps", type=int, default=2, help="steps per window")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+
+    tcfg = load_config([args.config])
+    grow.check_stages(tcfg)
+    n_layer = args.layers or grow.final_depth(tcfg)
+    if args.frozen:
+        n_frozen = args.frozen
+    else:   # the last stage of the config's plan, scaled to n_layer
+        plan = grow.plan_stages(grow.model_config(tcfg, n_layer, args.vocab or grow.data_vocab(tcfg)[0]),
+                                n_layer, grow.stage_count(tcfg))
+        n_frozen = n_layer - plan[-1]
+    if not 0 < n_frozen < n_layer:
+        sys.exit(f"bench/train.py: --frozen {n_frozen} must be between 1 and {n_layer - 1}")
+    vocab = args.vocab or grow.data_vocab(tcfg)[0]
+    batch, block = args.batch or tcfg.batch_size, args.block or tcfg.block_size
+    device = torch.device(args.device)
+
+    runs = {}
+    for name, frozen in (("vanilla", 0), (f"STEP, {n_frozen} of {n_layer} frozen", n_frozen)):
+        model, opt = build(tcfg, n_layer, frozen, vocab, block, device)
+        fn = torch.compile(model) if args.compile else model
+        runs[name] = dict(model=model, fn=fn, opt=opt, times=[], flops=model.estimate_flops())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, block), generator=g).to(device)
+    y = torch.randint(0, vocab, (batch, block), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    for run in runs.values():
+        for _ in range(args.warmup):
+            step(run["fn"], run["opt"], x, y)
+    for w in range(args.windows):
+        for name in (list(runs) if w % 2 == 0 else list(runs)[::-1]):   # alternate who goes first
+            run = runs[name]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(run["fn"], run["opt"], x, y)
+            sync()
+            run["times"].append((time.perf_counter() - t0) / args.steps)
+
+    c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
+    print(f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; batch {batch} x "
+          f"{block} tokens; {device.type}{' (compiled)' if args.compile else ''}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.windows} windows of {args.steps} steps after {args.warmup} warm-up")
+    print(f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | {'median s/step':>13} | "
+          f"{'min':>7} | {'max':>7} |")
+    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 9}|{'-' * 9}|")
+    for name, run in runs.items():
+        trainable, frozen = run["model"].num_params()
+        run["median"] = statistics.median(run["times"])
+        print(f"| {name:<24} | {trainable / 1e6:9.2f}M | {frozen / 1e6:9.2f}M | "
+              f"{run['flops'] * batch * block / 1e9:10.2f} | {run['median']:13.4f} | "
+              f"{min(run['times']):7.4f} | {max(run['times']):7.4f} |")
+    vanilla, stepped = runs.values()
+    ratio = stepped["median"] / vanilla["median"]
+    simple = (4 * n_frozen + 6 * (n_layer - n_frozen)) / (6 * n_layer)
+    print(f"STEP / vanilla step time: {ratio:.3f} measured; {stepped['flops'] / vanilla['flops']:.3f} in training "
+          f"matmul FLOPs (estimate_flops); {simple:.3f} by (4 x frozen + 6 x trainable) / (6 x all) over the layers")
+    return ratio
+
+
+if __name__ == "__main__":
+    main()

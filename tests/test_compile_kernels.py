@@ -1,0 +1,42 @@
+"""bench/compile_kernels.py: every kernel compiled for sm_90 on this CPU box, as the README runs it,
+and a check that its exit status catches a config that cannot run."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia", reason="this triton has no CUDA backend")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(argv, code=None):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # conftest sets it
+    cmd = [sys.executable] + (["-c", code] if code else ["bench/compile_kernels.py"]) + argv
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+def test_every_kernel_compiles_clean_for_sm90():
+    # the README's command: a few minutes on 2 cores
+    run = _run([])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failed, 0 launches with no config that fits, 0 bf16 main-GEMM configs" in run.stdout
+    for kernel in ("_fwd_kernel", "_dx_kernel", "_lora_down_kernel", "_lora_bwd_kernel", "_dequantize_kernel"):
+        assert f"| {kernel}" in run.stdout
+
+
+def test_a_config_over_the_shared_memory_limit_fails_the_check():
+    code = """if 1:
+        import sys, triton
+        sys.path.insert(0, "bench")
+        import compile_kernels
+        from kernels import frozen_lora
+        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8), num_stages=4, num_warps=8)
+        frozen_lora._FWD_CONFIGS[:] = [huge]
+        sys.exit(compile_kernels.main(sys.argv[1:]))
+    """
+    run = _run(["--shapes", "350m", "--dtypes", "bf16", "--kernels", "_fwd_kernel", "--jobs", "1"], code)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "3 launches with no config that fits" in run.stdout and "753,664!" in run.stdout   # attn, up, down
+    assert "target missed: _fwd_kernel 256x256x256, 4, 8" in run.stdout
