@@ -80,7 +80,8 @@ class TrainConfig:
                                         # restart: 1 = reset them (STEP's default), ReLoRA's paper ~0.99
     merge_rounding: str = "nearest"     # nearest | stochastic: how a merge re-quantises W + s*B*A
     # optimisation
-    optimizer: str = "adamw"            # adamw (fp32 state) | galore (pip install galore-torch: GaLore's AdamW
+    optimizer: str = "adamw"            # adamw (fp32 state) | adamw8bit (pip install bitsandbytes: blockwise
+                                        # 8-bit moments) | galore (pip install galore-torch: GaLore's AdamW
                                         # on the layers' matrices)
     galore_rank: int = 128
     galore_update_proj_gap: int = 200
@@ -110,7 +111,7 @@ class TrainConfig:
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
-           "optimizer": ("adamw", "galore"), "frozen_dtype": ("int8", "bf16")}
+           "optimizer": ("adamw", "adamw8bit", "galore"), "frozen_dtype": ("int8", "bf16")}
 AT_LEAST_ONE = ("batch_size", "gradient_accumulation_steps", "block_size", "eval_interval", "eval_iters",
                 "log_interval", "n_layer", "n_head", "n_embd", "n_stages", "keep_checkpoints", "galore_rank",
                 "galore_update_proj_gap")
@@ -187,6 +188,9 @@ def validate(cfg):
         raise UserError(f"grow_at={cfg.grow_at} must be in (0, 1]: the share of a stage's budget before the next begins")
     if not 0 <= cfg.relora_prune <= 1:
         raise UserError(f"relora_prune={cfg.relora_prune} must be in [0, 1]")
+    if cfg.optimizer == "adamw8bit" and (cfg.zero1 or cfg.relora_prune < 1):
+        raise UserError("optimizer=adamw8bit: its moments are 8-bit blocks, so ZeRO-1 cannot shard them and relora_prune "
+                        "cannot zero single entries; use zero1=False and relora_prune=1, or optimizer=adamw")
     if cfg.min_lr > cfg.learning_rate:
         raise UserError(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}; the cosine decays down to min_lr")
     for key, options in CHOICES.items():

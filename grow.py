@@ -126,6 +126,18 @@ def trainable_bytes(accounting, zero_world=1):
     return TRAINABLE_BYTES - sharded + sharded / zero_world
 
 
+ADAMW8BIT_MIN_SIZE, ADAMW8BIT_BLOCK = 4096, 256   # bitsandbytes' AdamW8bit defaults (min_8bit_size, blocksize)
+
+
+def adamw8bit_state_bytes(numel):
+    """bitsandbytes' AdamW8bit state of one tensor: two uint8 moments, one fp32 absmax per block of
+    256 entries for each and two 256-entry fp32 code books; tensors under 4,096 entries keep fp32
+    moments (8 B each)."""
+    if numel < ADAMW8BIT_MIN_SIZE:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * math.ceil(numel / ADAMW8BIT_BLOCK) + 2 * 4 * 256
+
+
 def trainable_count(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
     """Trainable parameters: the trainable layers, the frozen layers' adapters and, unless frozen
     (train_embeddings=False after the first stage) or left out, embeddings, head and final norm."""

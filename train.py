@@ -112,7 +112,10 @@ def build_optimizer(model, cfg, device, previous=None):
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    if galore:   # GaLore's AdamW projects the layers' matrix gradients to rank galore_rank
+    if cfg.optimizer == "adamw8bit":   # bitsandbytes' blockwise 8-bit moments (tensors under 4,096 elements: fp32)
+        kw.pop("fused")
+        opt = adamw8bit()(groups, **kw)
+    elif galore:   # GaLore's AdamW projects the layers' matrix gradients to rank galore_rank
         try:
             from galore_torch import GaLoreAdamW
         except ImportError:
@@ -128,6 +131,19 @@ def build_optimizer(model, cfg, device, previous=None):
     if previous is not None:
         carry_state(previous, opt, [p for n, p in named if not n.startswith("layers.")])
     return opt
+
+
+def adamw8bit():
+    """bitsandbytes' AdamW8bit class. Its CPU backend tries `from kernels import get_kernel` (Hugging
+    Face's package of that name, for a 4-bit GEMM we never use), finds our kernels/ and logs a
+    warning; that logger is quietened, nothing else."""
+    import logging
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise UserError("optimizer=adamw8bit needs the bitsandbytes package: pip install bitsandbytes==0.50.2") from None
+    return bitsandbytes.optim.AdamW8bit
 
 
 def local_state(opt):
@@ -389,6 +405,10 @@ def build(run):
             if diff:
                 raise UserError(f"checkpoint {path} is of a different model: {', '.join(diff[:3])}; "
                                 f"resume with the config it was trained with, or use a new out_dir")
+            if theirs.get("optimizer", "adamw") != cfg.optimizer:   # the states have different layouts
+                raise UserError(f"checkpoint {path} holds optimizer={theirs.get('optimizer', 'adamw')!r} state, the "
+                                f"config says {cfg.optimizer!r}: resume with --optimizer={theirs.get('optimizer', 'adamw')}, "
+                                f"or start from its weights with --init_from={path}")
             changed = [k for k, v in asdict(cfg).items() if k not in RESUMABLE and theirs.get(k) != v]
             if changed and run.master:
                 print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly")

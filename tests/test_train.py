@@ -276,6 +276,38 @@ def test_galore_optimizer_runs_and_resumes(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moments(tmp_path):
+    """optimizer=adamw8bit (bitsandbytes, which runs on CPU): a STEP run across a growth equals the
+    same run stopped after the growth and resumed, bitwise; the big tensors' moments are uint8 with
+    one fp32 absmax per 256 entries, the small ones fp32, as grow.adamw8bit_state_bytes counts."""
+    pytest.importorskip("bitsandbytes", reason="optional: pip install bitsandbytes==0.50.2")
+    common = ["--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", "--optimizer=adamw8bit",
+              "--n_embd=64", "--ffn_hidden=128"]   # the MLP's 8,192-element matrices get 8-bit moments
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path / "a", *common, data=data))
+    train.main(args(tmp_path / "b", *common, "--stop_at=8", data=data))
+    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [m["loss"] for m in metrics(tmp_path / "a") if "loss" in m] == \
+           [m["loss"] for m in metrics(tmp_path / "b") if "loss" in m]
+    model = GPT.from_checkpoint(a, "a")
+    opt = train.build_optimizer(model, load_config(args(tmp_path / "a", *common, data=data)), torch.device("cpu"))
+    opt.load_state_dict(a["optimizer"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(grow.adamw8bit_state_bytes(p.numel()) for p in trainable) == \
+           sum(t.numel() * t.element_size() for p in trainable for k, t in opt.state[p].items()
+               if torch.is_tensor(t) and k != "step")
+    big = max(trainable, key=lambda p: p.numel())
+    assert opt.state[big]["state1"].dtype == torch.uint8 and opt.state[big]["absmax1"].numel() == -(-big.numel() // 256)
+    with pytest.raises(UserError, match="optimizer='adamw8bit' state"):
+        train.main(args(tmp_path / "b", *[c for c in common if "optimizer" not in c], "--max_iters=14",
+                        "--init_from=resume", data=data))
+    for bad in ("--zero1=True", "--relora_prune=0.9"):
+        with pytest.raises(UserError, match="adamw8bit"):
+            load_config(args(tmp_path / "c", *common, bad, data=data))
+
+
 def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_path, monkeypatch):
     """--compile_cpu=True: torch.compile (inductor) on CPU, the frozen linears inside its graph,
     recompiled at the stage change; the losses follow the eager run's."""
