@@ -1,6 +1,6 @@
 """STEP's two tools: the memory model with its stage planner, and the growth operators.
 
-  python grow.py plan config/step_350m.py [--stages K] [--rank r] [--budget 6e9]
+  python grow.py plan config/step_1b.py [--stages K] [--rank r] [--budget 6e9] [--world 8] [--layers_only]
   python grow.py CKPT --add N [--init mean|copy|zero|stack] [--where upper|...] [--freeze] --out OUT
 
 Memory model (model states only, as in the paper's Eq. 1-3): a trainable parameter costs 16 bytes
@@ -129,34 +129,52 @@ def trainable_bytes(accounting, zero_world=1):
 ADAMW8BIT_MIN_SIZE, ADAMW8BIT_BLOCK = 4096, 256   # bitsandbytes' AdamW8bit defaults (min_8bit_size, blocksize)
 
 
+ADAMW8BIT_CODEBOOKS = 2 * 256 * 4                   # its two fp32 quantisation maps, one pair per optimizer
+
+
 def adamw8bit_state_bytes(numel):
-    """bitsandbytes' AdamW8bit state of one tensor: two uint8 moments, one fp32 absmax per block of
-    256 entries for each and two 256-entry fp32 code books; tensors under 4,096 entries keep fp32
-    moments (8 B each)."""
+    """bitsandbytes' AdamW8bit state of one tensor: two uint8 moments and one fp32 absmax per block
+    of 256 entries for each; tensors under 4,096 entries keep fp32 moments (8 B each). The two code
+    books (ADAMW8BIT_CODEBOOKS) are shared by all tensors."""
     if numel < ADAMW8BIT_MIN_SIZE:
         return 8 * numel
-    return 2 * numel + 2 * 4 * math.ceil(numel / ADAMW8BIT_BLOCK) + 2 * 4 * 256
+    return 2 * numel + 2 * 4 * math.ceil(numel / ADAMW8BIT_BLOCK)
+
+
+def trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
+    """The sizes (elements) of the trainable tensors: the trainable layers' linears and norms, the
+    frozen layers' adapters A and B and, unless frozen (train_embeddings=False after the first
+    stage) or left out, embeddings, head and final norm."""
+    d = cfg.n_embd
+    layer = [n * k for n, k in layer_shapes(cfg)] + [d, d]
+    adapter = [cfg.lora_rank * m for shape in layer_shapes(cfg) for m in shape] if cfg.lora_rank else []
+    outside = [cfg.vocab_size * d] * (1 if cfg.tie_embeddings else 2) + [d]
+    return layer * n_trainable + adapter * n_frozen + (outside if not layers_only and (train_embeddings or n_frozen == 0)
+                                                       else [])
 
 
 def trainable_count(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
-    """Trainable parameters: the trainable layers, the frozen layers' adapters and, unless frozen
-    (train_embeddings=False after the first stage) or left out, embeddings, head and final norm."""
-    weights, _, norms, adapter = layer_counts(cfg)
-    n = n_trainable * (weights + norms) + n_frozen * adapter
-    return n + (outside_params(cfg) if not layers_only and (train_embeddings or n_frozen == 0) else 0)
+    return sum(trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings, layers_only))
 
 
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True, layers_only=False,
-                zero_world=1):
+                zero_world=1, optimizer="adamw"):
     """Model-state bytes of a model with n_frozen frozen (+ adapters) and n_trainable trainable
     layers; by default the split that `cfg.frozen_layers` describes. With zero_world > 1: per rank
-    under ZeRO-1 (about: ZeRO shards whole tensors, so the ranks' shares differ a little)."""
+    under ZeRO-1 (about: ZeRO shards whole tensors, so the ranks' shares differ a little).
+    optimizer="adamw8bit" (our int8 accounting only): fp32 weight and gradient, 8-bit moments."""
     if n_frozen is None:
         n_frozen = len(cfg.frozen_layers)
         n_trainable = cfg.n_layer - n_frozen
     weights, rows, norms, _ = layer_counts(cfg)
-    total = trainable_bytes(accounting, zero_world) * trainable_count(cfg, n_trainable, n_frozen, train_embeddings,
-                                                                       layers_only)
+    if optimizer == "adamw8bit":
+        if accounting != "int8" or zero_world != 1:
+            raise ValueError("adamw8bit is counted in the int8 accounting, without ZeRO-1 (train.py refuses both)")
+        sizes = trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings, layers_only)
+        total = sum(8 * n + adamw8bit_state_bytes(n) for n in sizes) + ADAMW8BIT_CODEBOOKS * (max(sizes) >= ADAMW8BIT_MIN_SIZE)
+    else:
+        total = trainable_bytes(accounting, zero_world) * trainable_count(cfg, n_trainable, n_frozen, train_embeddings,
+                                                                           layers_only)
     if accounting == "int8":   # our fp32 training; the frozen store as the config keeps it
         store = 2 * weights if cfg.frozen_dtype == "bf16" else weights + 4 * rows
         frozen_layer = store + 4 * norms
@@ -178,13 +196,15 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
       a layer: 11C + 4F: each RMSNorm its input, input * rstd and output (3C, twice); q and k after
         RoPE, v, the SDPA output and its (T, C) copy for the o projection (5C); SwiGLU's gate,
         silu(gate), up and their product (4F); a frozen layer adds x A^T of its seven linears (7r);
-      the head: the final norm (3C), the logits, their log-softmax and the gradients of both (4V).
+      the head: the final norm (3C), the log-softmax the loss saves and, in the backward, its
+        gradient and the logits' (3V; train.py keeps no name for the logits themselves).
     Activation checkpointing keeps a layer's input (C) and recomputes one layer at a time (plus its
-    input and output gradients, 2C); loss_chunk holds 4V for loss_chunk tokens instead of all.
+    input and output gradients, 2C); loss_chunk holds 4V (the recomputed logits too) for loss_chunk
+    tokens instead of 3V for all.
     tests/test_grow.py checks this against the allocator within 10 %."""
     C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
     layer = 11 * C + 4 * F
-    head = 3 * C + 4 * V * (min(loss_chunk, tokens) / tokens if loss_chunk else 1)
+    head = 3 * C + (4 * V * min(loss_chunk, tokens) / tokens if loss_chunk else 3 * V)
     if checkpointing:
         per_token = (n_trainable + n_frozen) * C + max(head, layer + 7 * r * (n_frozen > 0) + 2 * C)
     else:
@@ -192,16 +212,24 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     return int(4 * tokens * per_token)
 
 
-def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, checkpointing=False, loss_chunk=0):
+def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, checkpointing=False, loss_chunk=0,
+                    optimizer="adamw", zero_world=1):
     """The peak of one training step in our fp32 accounting, the larger of: the model state
     without the gradients (set to None after every step; they appear as the backward runs and its
     saved tensors go) plus the activations at the start of the backward; the full state at the
-    optimizer step plus foreach AdamW's temporary (the square root of the second moments, at most
-    the trainable parameters' size: measured 3/4 of it at step_small, so this side over-predicts)."""
-    state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings)
-    grads = 4 * trainable_count(cfg, n_trainable, n_frozen, train_embeddings)
+    optimizer step plus the optimizer's temporaries. foreach AdamW's: the square root of the second
+    moments, at most the trainable parameters' size (measured 3/4 of it at step_small, so this side
+    over-predicts). bitsandbytes' AdamW8bit on CPU works one tensor at a time in fp32: both moments
+    dequantised, the gradient, the square root and the denominator, 5 copies of the largest tensor
+    (its CUDA kernel updates in place, so there this side over-predicts). With zero_world > 1: per
+    rank under ZeRO-1 (each rank steps its share; the gradients are whole on every rank)."""
+    state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, optimizer=optimizer,
+                        zero_world=zero_world)
+    sizes = trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings)
+    grads = 4 * sum(sizes)
     act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk)
-    return max(state - grads + act, state + grads)
+    temp = 5 * 4 * max(sizes) if optimizer == "adamw8bit" else grads / zero_world
+    return int(max(state - grads + act, state + temp))
 
 
 def stage_memory(cfg, stage_layers, **kw):
@@ -230,15 +258,29 @@ def plan_stages(cfg, target_layers, n_stages, **kw):
     return best[1]
 
 
-def smallest_plan(cfg, target_layers, budget, max_stages=8, **kw):
-    """The fewest stages whose planned peak fits `budget` bytes -> (K, layers, peak)."""
+def settings(world=8):
+    """The model-state accountings the plan compares: (name, state_bytes keywords). The paper's
+    (bf16 mixed precision) and ours: int8 frozen store with fp32 AdamW, with 8-bit AdamW
+    (optimizer=adamw8bit), and with ZeRO-1 over `world` ranks (zero1=True; per rank)."""
+    out = [("paper bf16", dict(accounting="bf16")), ("int8", dict(accounting="int8")),
+           ("int8 + 8-bit AdamW", dict(accounting="int8", optimizer="adamw8bit"))]
+    return out + ([(f"int8 + ZeRO-1 / {world}", dict(accounting="int8", zero_world=world))] if world > 1 else [])
+
+
+def smallest_plan(cfg, target_layers, budget, choices, max_stages=8, **kw):
+    """The cheapest plan whose model-state peak fits `budget` bytes: the fewest stages (the least
+    change to training), then the first of `choices` ((name, state_bytes keywords), in the order
+    we would rather run them). -> (K, name, layers, peak)."""
+    best = None
     for k in range(1, min(max_stages, target_layers) + 1):
-        layers = plan_stages(cfg, target_layers, k, **kw)
-        peak = max(stage_memory(cfg, layers, **kw))
-        if peak <= budget:
-            return k, layers, peak
+        for name, ckw in choices:
+            layers = plan_stages(cfg, target_layers, k, **ckw, **kw)
+            peak = max(stage_memory(cfg, layers, **ckw, **kw))
+            if peak <= budget:
+                return k, name, layers, peak
+            best = min(best or peak, peak)
     raise UserError(f"no plan of up to {min(max_stages, target_layers)} stages fits {budget / 2**30:.2f} GiB "
-                    f"(the best needs {peak / 2**30:.2f} GiB); raise the budget or lower lora_rank")
+                    f"(the best needs {best / 2**30:.2f} GiB of model state); raise the budget or lower lora_rank")
 
 
 def cpu_memory_timeline(fn):
@@ -390,27 +432,46 @@ def _plan_cli(args):
     target = final_depth(tcfg)
     vocab, source = data_vocab(tcfg, args.vocab)
     cfg = model_config(tcfg, target, vocab)
-    kw = dict(train_embeddings=tcfg.train_embeddings)
+    emb = tcfg.train_embeddings
+    act = dict(checkpointing=tcfg.activation_checkpointing, loss_chunk=tcfg.loss_chunk)
+    lean = dict(checkpointing=True, loss_chunk=tcfg.block_size)
+    tokens = tcfg.batch_size * tcfg.block_size
+    scope = "the layers only, as the paper's Eq. 2-3" if args.layers_only else "every tensor"
+    vanilla = state_bytes(cfg, target, 0, layers_only=args.layers_only)   # 16 B per parameter
     print(f"{args.config}: {target} layers, n_embd {cfg.n_embd}, ffn {cfg.ffn_hidden}, vocab {cfg.vocab_size} "
           f"({source}), {param_count(cfg) / 1e6:.1f}M parameters, lora rank {cfg.lora_rank}, embeddings "
-          f"{'trainable' if tcfg.train_embeddings else 'frozen'} in later stages")
+          f"{'trainable' if emb else 'frozen'} in later stages")
+    full_vanilla = [step_peak_bytes(cfg, target, 0, tokens, **a) / 2**30 for a in (act, lean)]
+    print(f"vanilla (every parameter trained, fp32 AdamW state: 16 B each): {vanilla / 2**30:.3f} GiB of model "
+          f"state, counting {scope}; full peak {full_vanilla[0]:.2f} GiB, ckpt+chunk {full_vanilla[1]:.2f} GiB")
+    print(f"full peak: the peak stage's training step with activations in fp32 at micro-batch {tcfg.batch_size} x "
+          f"{tcfg.block_size} (activation_checkpointing={tcfg.activation_checkpointing}, loss_chunk={tcfg.loss_chunk}; "
+          f"every tensor; bf16 autocast on CUDA saves less); 'ckpt+chunk': the same with activation_checkpointing=True "
+          f"and loss_chunk={tcfg.block_size}\n")
+    stages = [args.stages] if args.stages else sorted({2, 3, 4, stage_count(tcfg)} - {1})
+    print(f"{'setting':<22} {'K':>2}  {'layers':<18} {'stage state (GiB)':<30} {'peak GiB':>8}  "
+          f"{'vs vanilla':>10}  {'vs vanilla, same setting':>24}  {'full peak GiB':>13} {'ckpt+chunk':>10}")
+    for name, skw in settings(args.world):
+        same = state_bytes(cfg, target, 0, layers_only=args.layers_only, **skw)
+        for k in stages:
+            layers = plan_stages(cfg, target, k, train_embeddings=emb, layers_only=args.layers_only, **skw)
+            mem = stage_memory(cfg, layers, train_embeddings=emb, layers_only=args.layers_only, **skw)
+            full = f"{'-':>13} {'-':>10}"   # the paper's bf16 activations: not modelled
+            if skw["accounting"] == "int8":
+                frozen = [sum(layers[:i]) for i in range(k)]
+                opt = {key: v for key, v in skw.items() if key != "accounting"}
+                full = " ".join(f"{max(step_peak_bytes(cfg, n, f, tokens, emb or f == 0, **a, **opt) for n, f in zip(layers, frozen)) / 2**30:{w}.2f}"
+                                for a, w in ((act, 13), (lean, 10)))
+            print(f"{name:<22} {k:>2}  {str(layers):<18} {' '.join(f'{m / 2**30:.2f}' for m in mem):<30} "
+                  f"{max(mem) / 2**30:8.2f}  {-100 * (1 - max(mem) / vanilla):9.1f}%  {-100 * (1 - max(mem) / same):23.1f}%"
+                  f"  {full}")
     if args.budget:
-        k, layers, peak = smallest_plan(cfg, target, args.budget, **kw)
-        print(f"budget {args.budget / 2**30:.2f} GiB (int8 accounting, all tensors): smallest K = {k}, layers {layers}, peak {peak / 2**30:.2f} GiB")
-    stages = [args.stages] if args.stages else sorted({2, 3, stage_count(tcfg)})
-    worlds = [1] + ([args.world] if args.world > 1 else [])
-    for acc, world in itertools.product(("bf16", "int8"), worlds):
-        for scope, layers_only in (("all tensors", False), ("layers only, as the paper", True)):
-            mkw = dict(accounting=acc, layers_only=layers_only, zero_world=world)
-            vanilla = state_bytes(cfg, n_trainable=target, n_frozen=0, **mkw)
-            where = f", ZeRO-1 per rank at world {world}" if world > 1 else ""
-            print(f"\n{acc} accounting{where}, {scope}: vanilla {target} layers = {vanilla / 2**30:.3f} GiB")
-            print(f"{'K':>3} {'layers':<16} {'stage bytes (GiB)':<36} {'peak GiB':>9} {'% of vanilla':>13} {'reduction':>10}")
-            for k in stages:
-                layers = plan_stages(cfg, target, k, **mkw, **kw)
-                mem = stage_memory(cfg, layers, **mkw, **kw)
-                print(f"{k:>3} {str(layers):<16} {' '.join(f'{m / 2**30:.3f}' for m in mem):<36} "
-                      f"{max(mem) / 2**30:9.3f} {100 * max(mem) / vanilla:12.1f}% {100 * (1 - max(mem) / vanilla):9.1f}%")
+        choices = [c for c in settings(args.world) if c[0] != "paper bf16"]
+        k, name, layers, peak = smallest_plan(cfg, target, args.budget, choices, train_embeddings=emb,
+                                              layers_only=args.layers_only)
+        keys = {"int8": "", "int8 + 8-bit AdamW": " --optimizer=adamw8bit"}.get(name, f" --zero1=True on {args.world} ranks")
+        print(f"\nbudget {args.budget / 2**30:.2f} GiB of model state: the cheapest plan that fits is K = {k} with "
+              f"{name}, layers {layers}, {peak / 2**30:.2f} GiB (train with --stage_layers={layers}{keys})")
 
 
 def _grow_cli(args):
@@ -436,8 +497,10 @@ def main(argv):
         p.add_argument("--stages", type=int, default=0, help="K (default: 2 and 3, and the config's)")
         p.add_argument("--rank", type=int, default=0, help="LoRA rank (default: the config's)")
         p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the config's data, e.g. 32000 for the paper's LLaMA tokenizer)")
-        p.add_argument("--budget", type=float, default=0, help="bytes: report the smallest K that fits")
-        p.add_argument("--world", type=int, default=1, help="also per-rank bytes with ZeRO-1 (zero1=True) on N ranks")
+        p.add_argument("--budget", type=float, default=0,
+                       help="bytes of model state: the fewest stages that fit, then int8, 8-bit AdamW, ZeRO-1")
+        p.add_argument("--world", type=int, default=8, help="ranks of the ZeRO-1 rows (1: leave them out)")
+        p.add_argument("--layers_only", action="store_true", help="count the layers only, as the paper's Eq. 2-3")
         return _plan_cli(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="grow.py", description="grow a checkpoint in depth")
     p.add_argument("ckpt")

@@ -104,6 +104,8 @@ class FrozenLoRALinear(nn.Module):
         return m
 
     def store(self, w, stochastic=False, generator=None):
+        if w.is_meta:   # a model built on the meta device to count its bytes: the buffers have their shapes
+            return
         if self.weight_scale is None:
             self.weight_q = round_bf16(w, stochastic, generator)
         else:

@@ -497,8 +497,8 @@ def train_step(run, model, raw, opt, it):
         # DDP all-reduces the gradients in the last micro-step's backward only; no_sync() is a
         # one-shot context, so it must hold the forward and the backward of one micro-step together
         with model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
-            with run.ctx:
-                _, loss = model(x, y)
+            with run.ctx:   # [1]: the (B, T, V) logits must not outlive the forward (a name would hold them)
+                loss = model(x, y)[1]
             (loss / accum).backward()
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     if not torch.isfinite(loss) or not torch.isfinite(norm):

@@ -4,6 +4,7 @@ and the chunked loss.
 
     python bench/memory.py                                   # config/step_small.py's model on CPU, ~3 min
     python bench/memory.py --set batch_size=4 --only vanilla,step2
+    python bench/memory.py --meta config/step_350m.py,config/step_1b.py   # model state at paper scale, seconds
 
 Each run replays two training steps per stage (AdamW creates its moments in the first step's
 update, after that step's backward has peaked; from the second step on they are live through the
@@ -12,25 +13,34 @@ and free; the peak of each window is read from that timeline. On CUDA, train.py'
 torch.cuda.max_memory_allocated instead (bench/gpu_check.sh). The prediction is the planner's
 grow.step_peak_bytes: model state without gradients + the activations autograd saves (fp32), or
 the full state, whichever is larger.
+
+--meta builds each stage's model of a big config on the meta device (shapes and dtypes, no memory):
+its parameters and buffers as the module holds them, a gradient per trainable parameter and the
+optimizer state that the optimizer's own initialisation creates, beside grow.state_bytes.
 """
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
 import time
 from dataclasses import replace
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import train  # noqa: E402
 from common import UserError, load_config, run_cli  # noqa: E402
+from model import GPT  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "config", "step_small.py")
 RUNS = {"vanilla": ["--stage_layers=[6]"], "step2": [],
         "step3": ["--stage_layers=[]", "--target_layers=6", "--n_stages=3"]}
 MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
-         "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"]}
+         "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"],
+         "adamw8bit": ["--optimizer=adamw8bit"]}   # needs bitsandbytes
 
 
 def measure(args):
@@ -74,11 +84,61 @@ def measure(args):
     return out
 
 
+def meta_state(tcfg, vocab, n_trainable, n_frozen):
+    """-> (model-state bytes, of which the RoPE tables) of a model with n_frozen frozen and
+    n_trainable trainable layers of the run config tcfg, built on the meta device."""
+    cfg = grow.model_config(tcfg, n_trainable + n_frozen, vocab)
+    cfg.frozen_layers = tuple(range(n_frozen))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    if n_frozen and not tcfg.train_embeddings:
+        model.freeze_embeddings()
+    opt = train.build_optimizer(model, tcfg, torch.device("meta"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.empty_like(p)
+    if tcfg.optimizer == "adamw8bit":   # its update has no meta kernel: the state its first step would create
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                opt.init_state(group, p, gi, pi)
+    else:
+        opt.step()
+    held = [*model.parameters(), *model.buffers(), *(p.grad for p in trainable),
+            *(t for p in trainable for k, t in opt.state[p].items() if torch.is_tensor(t) and k != "step")]
+    unique = {id(t): t.numel() * t.element_size() for t in held}   # shared tensors (8-bit code books) once
+    rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.startswith("rope_"))
+    return sum(unique.values()), rope
+
+
+def meta_table(configs):
+    gib = lambda b: f"{b / 2**30:.4f}"   # noqa: E731
+    print("| config | optimizer | stage | layers (trainable + frozen) | planned state GiB | meta-device state GiB "
+          "| meta - planned | RoPE tables |")
+    print("|---|---|---|---|---|---|---|---|")
+    optimizers = ["adamw"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
+    for path in configs:
+        for optimizer in optimizers:
+            tcfg = load_config([path, f"--optimizer={optimizer}"])
+            vocab = grow.data_vocab(tcfg)[0]
+            layers, _ = grow.stage_plan(tcfg, vocab, tcfg.batch_size * tcfg.block_size)
+            rows = [("vanilla", sum(layers), 0)] + [(str(i + 1), n, sum(layers[:i])) for i, n in enumerate(layers)]
+            for stage, n, f in rows:
+                mc = grow.model_config(tcfg, n + f, vocab)
+                planned = grow.state_bytes(mc, n, f, train_embeddings=tcfg.train_embeddings or f == 0,
+                                           optimizer=optimizer)
+                held, rope = meta_state(tcfg, vocab, n, f)
+                print(f"| {os.path.basename(path)} | {optimizer} | {stage} | {n} + {f} | {gib(planned)} | {gib(held)} | "
+                      f"{held - planned:,} B | {rope:,} B |", flush=True)
+    if len(optimizers) == 1:
+        print("(no adamw8bit rows: pip install bitsandbytes==0.50.2)")
+
+
 def predict(cfg, row):
     return grow.step_peak_bytes(grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size),
                                 row["n_trainable"], row["n_frozen"], row["tokens"],
                                 train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
-                                checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk)
+                                checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
+                                optimizer=cfg.optimizer)
 
 
 def main(argv):
@@ -87,7 +147,11 @@ def main(argv):
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {list(MODES)}")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override for every run, e.g. --set batch_size=4 (repeatable)")
+    p.add_argument("--meta", default="", metavar="CONFIGS",
+                   help="comma-separated config files: their model state per stage on the meta device instead")
     a = p.parse_args(argv)
+    if a.meta:
+        return meta_table(a.meta.split(","))
     runs, modes = (a.only.split(",") if a.only else list(RUNS)), a.modes.split(",")
     for name, known in ((runs, RUNS), (modes, MODES)):
         if set(name) - set(known):
@@ -110,7 +174,8 @@ def main(argv):
             for r in rows:
                 mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
                 state = grow.state_bytes(mc, r["n_trainable"], r["n_frozen"],
-                                         train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0)
+                                         train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0,
+                                         optimizer=cfg.optimizer)
                 planned = predict(cfg, r) if r["phase"] == "step" else None
                 err = f"{(r['peak'] - planned) / planned:+.1%}" if planned else "-"
                 print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | {r['n_trainable']} + {r['n_frozen']} | "

@@ -37,7 +37,7 @@ def build(tcfg, n_layer, n_frozen, vocab, block, device):
 
 
 def step(model, opt, x, y):
-    _, loss = model(x, y)
+    loss = model(x, y)[1]   # not a name for the logits: they would live through the step
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -59,6 +59,21 @@ def test_memory_table(tmp_path):
     assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
 
 
+def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
+    """bench/memory.py --meta as its docstring runs it: at 350M and 1B, for AdamW and (where
+    bitsandbytes is installed) 8-bit AdamW, every stage's model built on the meta device holds
+    exactly the planned model state plus the RoPE tables, which the plan leaves out."""
+    import importlib.util
+    out = run("bench/memory.py", "--meta", "config/step_350m.py,config/step_1b.py")
+    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step_")]
+    optimizers = ["adamw", "adamw8bit"] if importlib.util.find_spec("bitsandbytes") else ["adamw"]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        (c, o, s) for c, stages in (("step_350m.py", "12"), ("step_1b.py", "123")) for o in optimizers
+        for s in ["vanilla", *stages]]
+    for r in rows:
+        assert r[6].strip() == r[7].strip() == "262,144 B", r   # 2 x 1024 positions x 32 x 4 B at 350M and 1B
+
+
 def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
     """The README's `--scale 350m --launcher "torchrun ..."` form: config/step_350m.py's keys and
     accumulation, 2 CPU ranks with gloo, the model scaled down."""

@@ -1,5 +1,7 @@
 import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -73,15 +75,48 @@ def test_plan_matches_brute_force(L, K, acc, layers_only):
     assert max(grow.stage_memory(cfg, plan, **kw)) == best
 
 
-def test_budget_picks_smallest_k_or_says_none_fits():
+def test_budget_picks_fewest_stages_then_the_first_setting_that_fits():
     cfg = tiny_config(lora_rank=2)
+    choices = grow.settings(world=4)[1:]   # int8, + 8-bit AdamW, + ZeRO-1 / 4
     one = max(grow.stage_memory(cfg, [12]))
-    k, layers, peak = grow.smallest_plan(cfg, 12, one)
-    assert k == 1 and layers == [12]
+    assert grow.smallest_plan(cfg, 12, one, choices) == (1, "int8", [12], one)
+    eight = max(grow.stage_memory(cfg, [12], optimizer="adamw8bit"))
+    assert eight < one and grow.smallest_plan(cfg, 12, eight, choices)[:2] == (1, "int8 + 8-bit AdamW")
     two = max(grow.stage_memory(cfg, grow.plan_stages(cfg, 12, 2)))
-    assert grow.smallest_plan(cfg, 12, two)[0] == 2
+    k, name, layers, peak = grow.smallest_plan(cfg, 12, two, choices[:1])
+    assert (k, name, sum(layers)) == (2, "int8", 12) and peak == two
     with pytest.raises(UserError, match="no plan of up to"):
-        grow.smallest_plan(cfg, 12, 1000)
+        grow.smallest_plan(cfg, 12, 1000, choices)
+
+
+def test_adamw8bit_accounting_counts_each_tensor_by_its_size():
+    """8-bit moments (2 B + an fp32 absmax per 256 entries) for tensors of 4,096 entries or more,
+    fp32 moments below, the two code books once; the weight and gradient stay fp32."""
+    cfg = tiny_config(lora_rank=4, vocab_size=64, n_embd=64, ffn_hidden=128, tie_embeddings=True)
+    sizes = grow.trainable_tensors(cfg, 1, 0)
+    assert sorted(sizes) == sorted([64 * 64] * 4 + [128 * 64] * 3 + [64] * 2 + [64 * 64, 64])
+    small = 64 * 3 * 8
+    big = sum(2 * n + 8 * -(-n // 256) for n in sizes if n >= 4096)
+    assert grow.state_bytes(cfg, 1, 0, optimizer="adamw8bit") == 8 * sum(sizes) + small + big + 2048
+    with pytest.raises(ValueError):
+        grow.state_bytes(cfg, 1, 0, optimizer="adamw8bit", zero_world=2)
+
+
+def test_readme_plan_commands_run_and_its_1b_table_is_the_commands_output():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    commands = re.findall(r"^(python grow\.py plan [^#\n]*?)\s*(?:#.*)?$", text, re.M)
+    assert len(commands) >= 3
+    for command in commands:
+        proc = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "vanilla" in proc.stdout, (command, proc.stderr)
+    assert "K = 3 with int8 + 8-bit AdamW" in subprocess.run(
+        [sys.executable, "grow.py", "plan", "config/step_1b.py", "--budget", "7e9"], cwd=ROOT, capture_output=True,
+        text=True).stdout
+    table = text.split("The plan at 1B")[1].split("```text\n")[1].split("```")[0].splitlines()
+    out = subprocess.run([sys.executable, "grow.py", "plan", "config/step_1b.py"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.splitlines()
+    assert len(table) == 13 and all(line in out for line in table), set(table) - set(out)
 
 
 @pytest.mark.parametrize("train_embeddings, frozen_dtype", [(True, "int8"), (False, "int8"), (True, "bf16")])
@@ -325,7 +360,7 @@ def test_readme_placement_picture():
 
 
 @pytest.mark.parametrize("extra", [[], ["--activation_checkpointing=True"], ["--loss_chunk=48"],
-                                   ["--activation_checkpointing=True", "--loss_chunk=48"]])
+                                   ["--activation_checkpointing=True", "--loss_chunk=48"], ["--optimizer=adamw8bit"]])
 def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
     """grow.step_peak_bytes (model state + saved activations) against the allocator's true peak of
     a training step (bench/memory.py's replay), in every stage of step_small at batch 2. (At much
@@ -333,6 +368,8 @@ def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
     n_embd 64.)"""
     from bench.memory import measure
     from tests.helpers import write_dataset
+    if "--optimizer=adamw8bit" in extra:
+        pytest.importorskip("bitsandbytes", reason="optional: pip install bitsandbytes==0.50.2")
     write_dataset(str(tmp_path), vocab=8192)    # the small config's model and vocabulary; a smaller batch
     args = [os.path.join(ROOT, "config", "step_small.py"), f"--data_dir={tmp_path}", "--batch_size=2", *extra]
     cfg = load_config(args)
@@ -342,5 +379,6 @@ def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
     for r in steps:
         mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
         planned = grow.step_peak_bytes(mc, r["n_trainable"], r["n_frozen"], r["tokens"],
-                                       checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk)
+                                       checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
+                                       optimizer=cfg.optimizer)
         assert abs(r["peak"] - planned) < 0.10 * planned, (r["peak"], planned, grow.state_bytes(mc, r["n_trainable"], r["n_frozen"]))

@@ -208,7 +208,7 @@ def test_sample_grow_and_plan_clis(tmp_path):
     assert final_state(out2)["model_args"]["n_layer"] == 4
     proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 accounting" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 + 8-bit AdamW" in proc.stdout, proc.stderr
 
 
 # -- baselines and ablations in the same trainer -------------------------------------------------
@@ -293,11 +293,14 @@ def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moment
            [m["loss"] for m in metrics(tmp_path / "b") if "loss" in m]
     model = GPT.from_checkpoint(a, "a")
     opt = train.build_optimizer(model, load_config(args(tmp_path / "a", *common, data=data)), torch.device("cpu"))
-    opt.load_state_dict(a["optimizer"])
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sum(grow.adamw8bit_state_bytes(p.numel()) for p in trainable) == \
-           sum(t.numel() * t.element_size() for p in trainable for k, t in opt.state[p].items()
-               if torch.is_tensor(t) and k != "step")
+    for p in trainable:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # the code books are shared
+            for p in trainable for k, t in opt.state[p].items() if torch.is_tensor(t) and k != "step"}
+    assert sum(held.values()) == sum(map(grow.adamw8bit_state_bytes, (p.numel() for p in trainable))) + \
+           grow.ADAMW8BIT_CODEBOOKS
     big = max(trainable, key=lambda p: p.numel())
     assert opt.state[big]["state1"].dtype == torch.uint8 and opt.state[big]["absmax1"].numel() == -(-big.numel() // 256)
     with pytest.raises(UserError, match="optimizer='adamw8bit' state"):
