@@ -447,14 +447,21 @@ def describe(run):
     rows += list(asdict(cfg).items())
     run.log.print("\n".join(f"{k:>28} : {v}" for k, v in rows))
     final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
-    plan = grow.stage_memory(final, run.stage_layers, train_embeddings=cfg.train_embeddings)
+    opt = planned_optimizer(cfg)
+    plan = grow.stage_memory(final, run.stage_layers, train_embeddings=cfg.train_embeddings, optimizer=opt)
     frozen = [sum(run.stage_layers[:i]) for i in range(len(run.stage_layers))]
     peaks = [grow.step_peak_bytes(final, n, f, cfg.batch_size * cfg.block_size, cfg.train_embeddings or f == 0,
-                                  cfg.activation_checkpointing, cfg.loss_chunk)
+                                  cfg.activation_checkpointing, cfg.loss_chunk, optimizer=opt)
              for n, f in zip(run.stage_layers, frozen)]
-    run.log.print("planned (int8 accounting): model state " + ", ".join(
+    run.log.print(f"planned (int8 accounting, {opt} state" + (", which GaLore's projection lowers" if cfg.optimizer ==
+                  "galore" else "") + "): model state " + ", ".join(
         f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan)) + "; step peak with fp32 activations " +
         ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
+
+
+def planned_optimizer(cfg):
+    """The optimizer the planner counts: adamw8bit as it is, GaLore as the AdamW it wraps."""
+    return "adamw8bit" if cfg.optimizer == "adamw8bit" else "adamw"
 
 
 def merge_line(stats):
@@ -588,7 +595,8 @@ class Meter:
         tok_s = run.tokens_per_iter / self.ema_dt
         mfu = 100 * self.flops_per_iter / self.ema_dt / (self.peak * run.world) if self.peak and warm else None
         tr, fr = model.num_params()
-        plan = grow.state_bytes(model.config, train_embeddings=model.config.train_embeddings)
+        plan = grow.state_bytes(model.config, train_embeddings=model.config.train_embeddings,
+                                optimizer=planned_optimizer(run.cfg))
         cuda_peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
         loss_v = loss.item()
         run.log.print(f"step {it:>6}/{run.total_iters} | stage {stage + 1}/{len(run.depth)} | loss {loss_v:.4f} | "
