@@ -198,15 +198,17 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
         silu(gate), up and their product (4F); a frozen layer adds x A^T of its seven linears (7r);
       the head: the final norm (3C), the log-softmax the loss saves and, in the backward, its
         gradient and the logits' (3V; train.py keeps no name for the logits themselves).
-    Activation checkpointing keeps a layer's input (C) and recomputes one layer at a time (plus its
-    input and output gradients, 2C); loss_chunk holds 4V (the recomputed logits too) for loss_chunk
-    tokens instead of 3V for all.
+    Activation checkpointing keeps a layer's input (C) and recomputes one layer at a time in the
+    backward, whose peak, the recomputed activations with the gradients of them, is 10.5C + 7.5F
+    (fitted to the allocator at C in {192, 384}, F in {512, 1024}, within 2 %: 13C + 4F, the
+    activations and two gradients, fell 10-18 % short where the chunked loss stopped hiding it).
+    loss_chunk holds 4V (the recomputed logits too) for loss_chunk tokens instead of 3V for all.
     tests/test_grow.py checks this against the allocator within 10 %."""
     C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
     layer = 11 * C + 4 * F
     head = 3 * C + (4 * V * min(loss_chunk, tokens) / tokens if loss_chunk else 3 * V)
     if checkpointing:
-        per_token = (n_trainable + n_frozen) * C + max(head, layer + 7 * r * (n_frozen > 0) + 2 * C)
+        per_token = (n_trainable + n_frozen) * C + max(head, 10.5 * C + 7.5 * F + 7 * r * (n_frozen > 0))
     else:
         per_token = (n_trainable + n_frozen) * layer + n_frozen * 7 * r + head
     return int(4 * tokens * per_token)

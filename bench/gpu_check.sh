@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check, under 8 minutes: the CUDA kernel tests, the quick kernel benchmark, the
-# step-time benchmark and a short training run, all logged to bench/gpu_check.log. Installs
-# nothing. Run from anywhere:
+# One prepared GPU check, about 10 minutes: the CUDA kernel tests, the quick kernel benchmark, the
+# step-time benchmark, the true memory peaks and a short training run, all logged to
+# bench/gpu_check.log. Installs nothing. Run from anywhere:
 #
 #     bash bench/gpu_check.sh            # writes bench/gpu_check.log and bench/kernels_gpu.md
 #
@@ -41,6 +41,12 @@ step "kernel tests on CUDA" 60 env STEP_KERNELS=triton python -m pytest -q -m "n
 step "bench --quick" 100 python bench/kernels.py --quick --out bench/kernels_gpu.md
 # STEP's last stage against vanilla at 350M width (8 of its 24 layers), compiled, bf16 autocast
 step "bench/train.py 350M width" 90 python bench/train.py config/step_350m.py --layers 8 --batch 8 --block 1024 --vocab 32000 --compile
+# the true step peak (torch.cuda.max_memory_allocated per step and stage change) beside the plan:
+# step_small, then 350M and 1B at micro-batch 1 on random tokens of their 32k vocabulary
+step "memory step_small" 60 python bench/memory.py --device cuda --set batch_size=4 --modes plain,ckpt+chunk
+python -c "import sys; sys.path.insert(0, '.'); from tests.helpers import write_dataset; write_dataset('/tmp/synth32k', vocab=32000)"
+step "memory 350M" 90 python bench/memory.py --device cuda --config config/step_350m.py --only vanilla,step2 --modes plain,ckpt+chunk --set batch_size=1 --set data_dir=/tmp/synth32k
+step "memory 1B" 150 python bench/memory.py --device cuda --config config/step_1b.py --only vanilla,step3 --modes plain --set batch_size=1 --set data_dir=/tmp/synth32k
 # STEP vs vanilla at the small scale, with torch.compile as users run it (bf16 autocast, Triton
 # kernels in the frozen layers). The device has no internet: carry data/shakespeare with the tree.
 if [ -f data/shakespeare/train.bin ]; then

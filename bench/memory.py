@@ -5,14 +5,17 @@ and the chunked loss.
     python bench/memory.py                                   # config/step_small.py's model on CPU, ~3 min
     python bench/memory.py --set batch_size=4 --only vanilla,step2
     python bench/memory.py --meta config/step_350m.py,config/step_1b.py   # model state at paper scale, seconds
+    python bench/memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk --set batch_size=1
 
 Each run replays two training steps per stage (AdamW creates its moments in the first step's
 update, after that step's backward has peaked; from the second step on they are live through the
 backward) and stage changes in between, under the profiler, which records every CPU allocation
-and free; the peak of each window is read from that timeline. On CUDA, train.py's log line shows
-torch.cuda.max_memory_allocated instead (bench/gpu_check.sh). The prediction is the planner's
-grow.step_peak_bytes: model state without gradients + the activations autograd saves (fp32), or
-the full state, whichever is larger.
+and free; the peak of each window is read from that timeline. With --device cuda the peak of each
+window is torch.cuda.max_memory_allocated (bench/gpu_check.sh runs it; train.py's log line shows the
+same counter for a whole run). The prediction is the planner's grow.step_peak_bytes: model state
+without gradients + the activations autograd saves (fp32), or the full state at the optimizer step
+with its temporaries, whichever is larger (on CUDA bf16 autocast saves other tensors, so there the
+prediction is an fp32 reference, not a model of what autocast keeps).
 
 --meta builds each stage's model of a big config on the meta device (shapes and dtypes, no memory):
 its parameters and buffers as the module holds them, a gradient per trainable parameter and the
@@ -35,50 +38,64 @@ from common import UserError, load_config, run_cli  # noqa: E402
 from model import GPT  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(ROOT, "config", "step_small.py")
-RUNS = {"vanilla": ["--stage_layers=[6]"], "step2": [],
-        "step3": ["--stage_layers=[]", "--target_layers=6", "--n_stages=3"]}
+RUNS = ("vanilla", "step2", "step3")   # the config's final depth trained in 1, 2 or 3 planned stages
 MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
          "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"],
          "adamw8bit": ["--optimizer=adamw8bit"]}   # needs bitsandbytes
 
 
-def measure(args):
+def run_args(config, name):
+    """train.py overrides that make `config` the run `name` of RUNS."""
+    depth = grow.final_depth(load_config([config]))
+    if name == "vanilla":
+        return [f"--stage_layers=[{depth}]"]
+    return ["--stage_layers=[]", f"--target_layers={depth}", f"--n_stages={name.removeprefix('step')}"]
+
+
+def measure(args, device="cpu"):
     """Replay the run `args` (train.py argv): two steps per stage, stage changes between.
     -> [dict(phase, stage, n_trainable, n_frozen, tokens, peak)] with phase 'step' (the second
-    step of a stage) or 'stage change' (the growth and the new optimizer, first step included)."""
+    step of a stage) or 'stage change' (the growth and the new optimizer, first step included).
+    device "cuda": the peaks are torch.cuda.max_memory_allocated per window (eager, bf16 autocast)."""
     cfg = load_config(args)
     with tempfile.TemporaryDirectory() as tmp:
         per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
         cfg = replace(cfg, out_dir=tmp, stage_tokens=[2 * per_iter] * grow.stage_count(cfg), grow_at=1.0,
-                      relora_every=0, device="cpu", init_from="scratch", log_interval=10**9)
-        marks, shapes = [], []
+                      relora_every=0, device=device, init_from="scratch", log_interval=10**9, compile=False)
+        marks, shapes, cuda_peaks = [], [], []
+
+        def mark(*m):
+            if device == "cuda":   # the peak of the window that ends here, then a new window
+                torch.cuda.synchronize()
+                cuda_peaks.append(torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            marks.append(m)
 
         def replay():
             run = train.setup(cfg)
             model, opt, it, _ = train.build(run)
             for stage in range(len(run.depth)):
-                marks.append(("stage change", stage, time.time_ns()))
+                mark("stage change", stage, time.time_ns())
                 if stage:
                     opt, _ = train.enter_stage(run, model, opt, stage)
                 train.train_step(run, model, model, opt, it)
-                marks.append(("step", stage, time.time_ns()))
+                mark("step", stage, time.time_ns())
                 train.train_step(run, model, model, opt, it + 1)
                 it += 2
                 n_frozen = len(model.config.frozen_layers)
                 shapes.append((model.config.n_layer - n_frozen, n_frozen))
-            marks.append(("end", len(run.depth), time.time_ns()))
+            mark("end", len(run.depth), time.time_ns())
 
         quiet = open(os.devnull, "w")
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            timeline = grow.cpu_memory_timeline(replay)
+            timeline = grow.cpu_memory_timeline(replay) if device == "cpu" else replay()
         finally:
             sys.stdout = stdout
             quiet.close()
     out = []
-    for (phase, stage, t0), (_, _, t1) in zip(marks, marks[1:]):
-        peak = max((b for t, b in timeline if t0 <= t < t1), default=0)
+    for i, ((phase, stage, t0), (_, _, t1)) in enumerate(zip(marks, marks[1:])):
+        peak = cuda_peaks[i + 1] if device == "cuda" else max((b for t, b in timeline if t0 <= t < t1), default=0)
         out.append(dict(phase=phase, stage=stage, n_trainable=shapes[stage][0], n_frozen=shapes[stage][1],
                         tokens=cfg.batch_size * cfg.block_size, peak=peak))
     return out
@@ -143,7 +160,10 @@ def predict(cfg, row):
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help=f"comma-separated runs of {sorted(RUNS)} (default: all)")
+    p.add_argument("--config", default=os.path.join("config", "step_small.py"), help="the model (default: step_small)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: torch.cuda.max_memory_allocated per window, bf16 autocast, eager")
+    p.add_argument("--only", default="", help=f"comma-separated runs of {list(RUNS)} (default: all)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {list(MODES)}")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override for every run, e.g. --set batch_size=4 (repeatable)")
@@ -164,10 +184,10 @@ def main(argv):
     vanilla = {}
     for mode in modes:
         for name in runs:
-            args = [BASE, *RUNS[name], *MODES[mode], *extra]
+            args = [a.config, *run_args(a.config, name), *MODES[mode], *extra]
             cfg = load_config(args)
             cfg = replace(cfg, vocab_size=grow.data_vocab(cfg)[0])
-            rows = measure(args)
+            rows = measure(args, a.device)
             run_peak = max(r["peak"] for r in rows)
             vanilla.setdefault(mode, run_peak if name == "vanilla" else None)
             base = vanilla[mode]

@@ -57,6 +57,13 @@ def test_memory_table(tmp_path):
             planned, measured = float(r[5].replace(",", "")), float(r[6].replace(",", ""))
             assert abs(measured - planned) < 0.1 * planned
     assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
+    # --config: another model's final depth in 3 planned stages (gpu_check.sh's 350M and 1B form)
+    cfg = tmp_path / "c.py"
+    cfg.write_text(f"data_dir = {str(tmp_path)!r}\nn_embd = 64\nn_head = 2\nstage_layers = [2, 2]\nblock_size = 32\n")
+    out = run("bench/memory.py", "--config", str(cfg), "--only", "step3", "--modes", "ckpt", "--set", "batch_size=1")
+    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step3")]
+    assert [r[2].strip() for r in rows] == [f"{s} {p}" for s in (1, 2, 3) for p in ("stage change", "step")]
+    assert sum(int(r[3].split("+")[0]) for r in rows[1::2]) == 4
 
 
 def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
