@@ -34,6 +34,15 @@ def final_state(tmp_path):
     return load_checkpoint(str(tmp_path / "out"))
 
 
+def straight_and_resumed(tmp_path, common, stop):
+    """The same run straight (tmp_path/a) and stopped at `stop`, then resumed (tmp_path/b)."""
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path / "a", *common, data=data))
+    train.main(args(tmp_path / "b", *common, f"--stop_at={stop}", data=data))
+    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
+    return final_state(tmp_path / "a"), final_state(tmp_path / "b")
+
+
 def run_cli(*argv):
     return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
@@ -254,11 +263,7 @@ def test_grow_at_moves_the_boundary_and_keeps_the_tokens():
                                    ["--grow_where=intermediate"], ["--grow_where=random"]])
 def test_ablations_train_resume_exactly(tmp_path, extra):
     common = ["--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", *extra]
-    data = write_dataset(tmp_path / "data")
-    train.main(args(tmp_path / "a", *common, data=data))
-    train.main(args(tmp_path / "b", *common, "--stop_at=7", data=data))
-    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
-    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    a, b = straight_and_resumed(tmp_path, common, 7)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     if "--frozen_dtype=bf16" in extra:
         assert a["model"]["layers.0.attn.q.weight_q"].dtype == torch.bfloat16
@@ -268,11 +273,7 @@ def test_galore_optimizer_runs_and_resumes(tmp_path):
     pytest.importorskip("galore_torch", reason="optional: pip install galore-torch==1.0 (bench/reproduce.py's GaLore row)")
     common = ["--n_layer=2", "--max_iters=12", "--eval_interval=4", "--optimizer=galore", "--galore_rank=8",
               "--galore_update_proj_gap=5"]
-    data = write_dataset(tmp_path / "data")
-    train.main(args(tmp_path / "a", *common, data=data))
-    train.main(args(tmp_path / "b", *common, "--stop_at=6", data=data))
-    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
-    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    a, b = straight_and_resumed(tmp_path, common, 6)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
@@ -283,11 +284,8 @@ def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moment
     pytest.importorskip("bitsandbytes", reason="optional: pip install bitsandbytes==0.50.2")
     common = ["--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", "--optimizer=adamw8bit",
               "--n_embd=64", "--ffn_hidden=128"]   # the MLP's 8,192-element matrices get 8-bit moments
-    data = write_dataset(tmp_path / "data")
-    train.main(args(tmp_path / "a", *common, data=data))
-    train.main(args(tmp_path / "b", *common, "--stop_at=8", data=data))
-    train.main(args(tmp_path / "b", *common, "--init_from=resume", data=data))
-    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    a, b = straight_and_resumed(tmp_path, common, 8)
+    data = str(tmp_path / "data")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert [m["loss"] for m in metrics(tmp_path / "a") if "loss" in m] == \
            [m["loss"] for m in metrics(tmp_path / "b") if "loss" in m]
