@@ -450,7 +450,7 @@ def _plan_cli(args):
           f"{tcfg.block_size} (activation_checkpointing={tcfg.activation_checkpointing}, loss_chunk={tcfg.loss_chunk}; "
           f"every tensor; bf16 autocast on CUDA saves less); 'ckpt+chunk': the same with activation_checkpointing=True "
           f"and loss_chunk={tcfg.block_size}\n")
-    stages = [args.stages] if args.stages else sorted({2, 3, 4, stage_count(tcfg)} - {1})
+    stages = [args.stages] if args.stages else sorted({k for k in (2, 3, 4, stage_count(tcfg)) if 1 < k <= target})
     print(f"{'setting':<22} {'K':>2}  {'layers':<18} {'stage state (GiB)':<30} {'peak GiB':>8}  "
           f"{'vs vanilla':>10}  {'vs vanilla, same setting':>24}  {'full peak GiB':>13} {'ckpt+chunk':>10}")
     for name, skw in settings(args.world):
@@ -462,8 +462,9 @@ def _plan_cli(args):
             if skw["accounting"] == "int8":
                 frozen = [sum(layers[:i]) for i in range(k)]
                 opt = {key: v for key, v in skw.items() if key != "accounting"}
-                full = " ".join(f"{max(step_peak_bytes(cfg, n, f, tokens, emb or f == 0, **a, **opt) for n, f in zip(layers, frozen)) / 2**30:{w}.2f}"
-                                for a, w in ((act, 13), (lean, 10)))
+                peaks = [max(step_peak_bytes(cfg, n, f, tokens, emb or f == 0, **a, **opt) for n, f in zip(layers, frozen))
+                         for a in (act, lean)]
+                full = f"{peaks[0] / 2**30:13.2f} {peaks[1] / 2**30:10.2f}"
             print(f"{name:<22} {k:>2}  {str(layers):<18} {' '.join(f'{m / 2**30:.2f}' for m in mem):<30} "
                   f"{max(mem) / 2**30:8.2f}  {-100 * (1 - max(mem) / vanilla):9.1f}%  {-100 * (1 - max(mem) / same):23.1f}%"
                   f"  {full}")
