@@ -22,7 +22,8 @@ import shutil
 
 import torch
 
-from common import UserError, load_checkpoint, run_cli
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.errors import UserError, run_cli
 from model import GPT, LINEARS, dense_weight
 
 # names inside a layer: ours -> LlamaForCausalLM's (model.layers.<i>.<name>.weight)
@@ -51,7 +52,8 @@ def name_map(n_layer, tied):
     if not tied:   # HF ties the head to the embeddings itself (tie_word_embeddings)
         names["lm_head.weight"] = "lm_head"
     for i in range(n_layer):
-        names.update({f"model.layers.{i}.{hf}.weight": f"layers.{i}.{ours}" for ours, hf in LAYER_NAMES.items()})
+        names.update({f"model.layers.{i}.{hf}.weight": f"layers.{i}.{ours}"
+                      for ours, hf in LAYER_NAMES.items()})
     return names
 
 
@@ -68,15 +70,18 @@ def hf_config(model, meta, dtype="fp32"):
     train.py puts between documents; LlamaConfig's defaults (1 and 2) are byte tokens here."""
     cfg = model.config
     eot = meta.get("eot_token") if meta else None
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": cfg.vocab_size,   # padded to a multiple of 64: ids past the tokenizer's are never produced
+    # vocab_size is padded to a multiple of 64: ids past the tokenizer's are never produced
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head, "head_dim": cfg.n_embd // cfg.n_head,
-            "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
+            "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu",
+            "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
-            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": None,
-            "initializer_range": 0.02, "use_cache": True, "torch_dtype": DTYPES[dtype][1], "dtype": DTYPES[dtype][1]}
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eot, "eos_token_id": eot,
+            "pad_token_id": None, "initializer_range": 0.02, "use_cache": True,
+            "torch_dtype": DTYPES[dtype][1], "dtype": DTYPES[dtype][1]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def hf_config(model, meta, dtype="fp32"):
 
 def bytes_to_unicode():
     """GPT-2's byte -> printable character table, which byte-level BPE files store tokens in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:   # the rest (controls, space, ...) map past 255
@@ -123,7 +128,8 @@ def hf_tokenizer(enc):
     tk.decoder = tokenizers.decoders.ByteLevel()
     for name, i in sorted(enc._special_tokens.items(), key=lambda kv: kv[1]):
         if tk.add_special_tokens([name]) != 1 or tk.token_to_id(name) != i:
-            raise UserError(f"special token {name} would get another id than tiktoken's {i}; cannot convert {enc.name}")
+            raise UserError(f"special token {name} would get another id than tiktoken's {i}; cannot convert "
+                            f"{enc.name}")
     return tk
 
 
@@ -176,7 +182,7 @@ def write_hf(model, meta, out, dtype="fp32"):
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write {out} ({e.strerror or e})")
+        raise UserError(f"could not write {out} ({e.strerror or e})") from None
     return tokenizer
 
 
@@ -198,14 +204,14 @@ def read_hf(path):
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise UserError(f"hf:{path} has no model.safetensors (a pytorch_model.bin folder: load it in transformers "
-                        f"and save_pretrained it with safe_serialization=True)")
+        raise UserError(f"hf:{path} has no model.safetensors (a pytorch_model.bin folder: load it in "
+                        f"transformers and save_pretrained it with safe_serialization=True)")
     tensors = {}
     for name in files:
         try:
             tensors.update(load_file(os.path.join(path, name)))
         except Exception as e:   # safetensors raises its own error types for damaged files
-            raise UserError(f"hf:{path}: cannot read {name} ({type(e).__name__}: {e})")
+            raise UserError(f"hf:{path}: cannot read {name} ({type(e).__name__}: {e})") from None
     return config, tensors
 
 
@@ -223,7 +229,8 @@ def config_mismatch(hf, cfg, layers_key):
                    ("rope type", rope.get("rope_type", rope.get("type", "default")), "default")]
     for key, theirs, ours in unsupported:
         if theirs != ours:
-            return f"its {key}={theirs!r}, but this code builds only {key}={ours!r} (a LLaMA without GQA, biases or RoPE scaling)"
+            return (f"its {key}={theirs!r}, but this code builds only {key}={ours!r} (a LLaMA without GQA, "
+                    f"biases or RoPE scaling)")
     fitting = [("hidden_size", hf.get("hidden_size"), "n_embd", cfg.n_embd),
                ("num_attention_heads", heads, "n_head", cfg.n_head),
                ("head_dim", hf.get("head_dim", (hf.get("hidden_size") or 0) // (heads or 1)), "n_embd/n_head",
@@ -233,13 +240,14 @@ def config_mismatch(hf, cfg, layers_key):
                ("vocab_size", hf.get("vocab_size"), "the data's padded vocabulary", cfg.vocab_size),
                ("rope_theta", theta, "rope_theta", cfg.rope_theta),
                ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), "norm_eps", cfg.norm_eps),
-               ("tie_word_embeddings", hf.get("tie_word_embeddings", False), "tie_embeddings", cfg.tie_embeddings)]
+               ("tie_word_embeddings", hf.get("tie_word_embeddings", False), "tie_embeddings",
+                cfg.tie_embeddings)]
     for key, theirs, ours_key, ours in fitting:
         if theirs != ours:
-            fix = ("prepare the data with the model's tokenizer" if key == "vocab_size" else
-                   f"set {layers_key} to {theirs}" if key == "num_hidden_layers" else
-                   "a model with head_dim = hidden_size / num_attention_heads is needed" if key == "head_dim" else
-                   f"set --{ours_key}={theirs!r}")
+            fix = {"vocab_size": "prepare the data with the model's tokenizer",
+                   "num_hidden_layers": f"set {layers_key} to {theirs}",
+                   "head_dim": "a model with head_dim = hidden_size / num_attention_heads is needed",
+                   }.get(key, f"set --{ours_key}={theirs!r}")
             return f"its {key}={theirs!r} but {ours_key}={ours!r}: {fix}"
     return None
 
@@ -264,14 +272,15 @@ def load_hf(path, cfg, layers_key="n_layer"):
         for hf_name, ours in names.items():
             w = model.get_submodule(ours).weight
             if tensors[hf_name].shape != w.shape:
-                raise UserError(f"hf:{path}: {hf_name} has shape {tuple(tensors[hf_name].shape)}, its config says "
-                                f"{tuple(w.shape)}; the folder is damaged")
+                raise UserError(f"hf:{path}: {hf_name} has shape {tuple(tensors[hf_name].shape)}, its config "
+                                f"says {tuple(w.shape)}; the folder is damaged")
             w.copy_(tensors[hf_name].float())
     return model
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="export_hf.py", description="export a checkpoint as a Hugging Face LLaMA folder")
+    p = argparse.ArgumentParser(prog="export_hf.py",
+                                description="export a checkpoint as a Hugging Face LLaMA folder")
     p.add_argument("ckpt", help="a checkpoint file, or a run folder for its newest")
     p.add_argument("out", help="the folder to write (must not exist)")
     p.add_argument("--dtype", default="fp32", choices=DTYPES, help="tensor dtype in model.safetensors")
@@ -280,8 +289,8 @@ def main(argv):
     model = GPT.from_checkpoint(ckpt, a.ckpt)
     tokenizer = write_hf(model, ckpt.get("meta"), a.out, a.dtype)
     cfg = model.config
-    print(f"wrote {a.out}: LlamaForCausalLM, {cfg.n_layer} layers, vocab {cfg.vocab_size}, {a.dtype}; frozen layers "
-          f"{list(cfg.frozen_layers)} merged in float (W + s B A); {tokenizer}")
+    print(f"wrote {a.out}: LlamaForCausalLM, {cfg.n_layer} layers, vocab {cfg.vocab_size}, {a.dtype}; frozen "
+          f"layers {list(cfg.frozen_layers)} merged in float (W + s B A); {tokenizer}")
 
 
 if __name__ == "__main__":

@@ -8,21 +8,24 @@ and its norms stop learning. `GPTConfig.frozen_layers` says which, so a checkpoi
 rebuilds the exact module tree.
 """
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common import UserError
-from kernels import dequantize_int8, frozen_lora_linear, quantize_int8
+from frozen_linear import frozen_lora_linear
+from stepgpt.errors import UserError
 
 
 @dataclass
 class GPTConfig:
+    """The model's keys. A run's config (stepgpt/config.py) is these plus the run's own, so each
+    model key is declared and checked here alone."""
     block_size: int = 256
-    vocab_size: int = 8256          # padded up to a multiple of 64 by the trainer (faster matmuls)
+    vocab_size: int = 0             # a run config: 0 takes the data's vocabulary, N is checked against it;
+                                    # a model: the data's, padded up to a multiple of 64 (faster matmuls)
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
@@ -32,24 +35,34 @@ class GPTConfig:
     norm_eps: float = 1e-5
     lora_rank: int = 16             # adapters on frozen layers: rank r (0: none) and alpha (scale alpha/r)
     lora_alpha: float = 32.0
-    frozen_dtype: str = "int8"      # how frozen linears are stored: int8 + row scale (ours) or bf16 (the paper's)
-    frozen_layers: tuple = field(default_factory=tuple)  # indices of frozen (+ LoRA) layers
+    frozen_dtype: str = "int8"      # frozen linears: int8 + row scale (ours) or bf16 (the paper's)
+    frozen_layers: tuple = ()       # indices of the frozen (+ LoRA) layers; a run's stages set them
     train_embeddings: bool = True   # False: embeddings, final norm and head are frozen too
-    activation_checkpointing: bool = False  # keep only each block's input; recompute the block in the backward
-    loss_chunk: int = 0             # >0: the loss over this many tokens at a time, logits recomputed in the
-                                    # backward, so the full logits and their gradient never exist
+    activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
+    loss_chunk: int = 0             # >0: the loss this many tokens at a time, the logits recomputed in
+                                    # the backward, so the full logits and their gradient never exist
 
     def __post_init__(self):
         self.frozen_layers = tuple(sorted(int(i) for i in self.frozen_layers))
+        for key in ("block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key}={getattr(self, key)} must be >= 1")
+        for key in ("vocab_size", "ffn_hidden", "loss_chunk"):
+            if getattr(self, key) < 0:
+                raise UserError(f"{key}={getattr(self, key)} must be >= 0 (0: {key} is chosen for you)")
+        for key in ("rope_theta", "norm_eps", "lora_alpha"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise UserError(f"{key}={getattr(self, key)} must be a finite number > 0")
         if self.ffn_hidden == 0:
             self.ffn_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64)
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise UserError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
                             f"size (RoPE rotates pairs); pick n_embd divisible by 2*n_head")
-        if self.frozen_layers and not (0 <= self.frozen_layers[0] and self.frozen_layers[-1] < self.n_layer):
+        if self.frozen_layers and not 0 <= self.frozen_layers[0] <= self.frozen_layers[-1] < self.n_layer:
             raise UserError(f"frozen_layers {self.frozen_layers} out of range for n_layer={self.n_layer}")
-        if self.frozen_layers and not 0 <= self.lora_rank <= self.n_embd:
-            raise UserError(f"lora_rank={self.lora_rank} must be in 0..n_embd={self.n_embd} (0: no adapters)")
+        if not 0 <= self.lora_rank <= self.n_embd:
+            raise UserError(f"lora_rank={self.lora_rank} must be between 0 (no adapters) and "
+                            f"n_embd={self.n_embd}")
         if self.frozen_dtype not in FROZEN_DTYPES:
             raise UserError(f"frozen_dtype={self.frozen_dtype!r}: use one of {', '.join(FROZEN_DTYPES)}")
 
@@ -113,9 +126,8 @@ class FrozenLoRALinear(nn.Module):
 
     def stored_weight(self):
         """The frozen weight as a float tensor (without the adapter)."""
-        if self.weight_scale is None:
-            return self.weight_q.float()
-        return dequantize_int8(self.weight_q, self.weight_scale)
+        scale = 1.0 if self.weight_scale is None else self.weight_scale[:, None]
+        return self.weight_q.float() * scale
 
     @torch.no_grad()
     def reset_adapter(self, generator=None):
@@ -138,14 +150,14 @@ class FrozenLoRALinear(nn.Module):
         """Fold the adapter into the frozen weight (W + s B A, rounded back to its store) and restart
         it. Round-to-nearest loses every element of the update smaller than half a rounding step
         (and adds rounding noise); stochastic rounding keeps the update in expectation.
-        Returns MergeStats of what the new frozen weight carries of the update."""
+        -> the sums over the weight of <applied, update>, |update|^2, |applied - update|^2."""
         before = self.stored_weight()
         update = self.adapter_update()
         self.store(before + update, stochastic=rounding == "stochastic", generator=generator)
         applied = self.stored_weight() - before
         self.reset_adapter(generator)
-        return MergeStats(torch.stack([(applied * update).sum(), update.square().sum(),
-                                       (applied - update).square().sum()]).double().cpu())
+        return torch.stack([(applied * update).sum(), update.square().sum(),
+                            (applied - update).square().sum()]).double().cpu()
 
     def forward(self, x):
         return frozen_lora_linear(x, self.weight_q, self.weight_scale, self.lora_a, self.lora_b,
@@ -153,6 +165,25 @@ class FrozenLoRALinear(nn.Module):
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, {self.weight_q.dtype}, rank={self.rank}"
+
+
+def quantize_int8(w, stochastic=False, generator=None):
+    """w [N, K] float -> (q int8 [N, K], scale fp32 [N]) with w ~= q * scale: symmetric, one scale
+    per output row (absmax / 127), to nearest or stochastically (floor(x + u), u ~ U[0, 1): E[q] = x,
+    so updates smaller than a step survive on average; the noise is drawn on the CPU from
+    `generator`, the same on every device)."""
+    w = w.float()
+    absmax = w.abs().amax(dim=1)                       # NaN propagates, inf stays inf
+    bad = (~torch.isfinite(absmax)).nonzero().flatten().tolist()   # rounding would destroy such a row
+    if bad:
+        raise ValueError(f"quantize_int8: {len(bad)} row(s) of the {w.shape[0]}x{w.shape[1]} weight hold "
+                         f"NaN or inf (first: row {bad[0]}); the weights diverged or were loaded damaged")
+    # an all-zero row gets scale 1 so that dequantising it still gives exact zeros, never NaN
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    x = w / scale[:, None]
+    if stochastic:
+        x = torch.floor(x + torch.rand(x.shape, generator=generator).to(x.device))
+    return torch.round(x).clamp_(-127, 127).to(torch.int8), scale
 
 
 def round_bf16(w, stochastic=False, generator=None):
@@ -166,27 +197,11 @@ def round_bf16(w, stochastic=False, generator=None):
     return bits.view(torch.float32).to(torch.bfloat16)                  # exact: the low bits are zero
 
 
-@dataclass
-class MergeStats:
-    """Sums over merged weights of <applied, update>, |update|^2 and |applied - update|^2."""
-    sums: torch.Tensor
-
-    def __add__(self, other):
-        return MergeStats(self.sums + other.sums)
-
-    def __radd__(self, other):   # sum() starts from 0
-        return self if isinstance(other, int) and other == 0 else self + other
-
-    @property
-    def kept(self):
-        """The share of the update the merged weights carry: the projection of what was applied
-        on what was asked for (1: all of it; round-to-nearest loses what is under half a step)."""
-        return (self.sums[0] / self.sums[1]).item() if self.sums[1] > 0 else float("nan")
-
-    @property
-    def error(self):
-        """|applied - update| / |update|: the rounding noise the merge added, relative to the update."""
-        return (self.sums[2] / self.sums[1]).sqrt().item() if self.sums[1] > 0 else float("nan")
+def merge_quality(sums):
+    """-> (kept, error) of a merge's sums (FrozenLoRALinear.merge): the share of the update that the
+    merged weights carry, their projection on it (1: all of it; round-to-nearest loses every element
+    under half a rounding step), and the rounding noise |applied - update| / |update|."""
+    return (sums[0] / sums[1]).item(), (sums[2] / sums[1]).sqrt().item()
 
 
 def dense_weight(linear):
@@ -280,9 +295,9 @@ class Block(nn.Module):
         the norms."""
         for name in LINEARS:
             parent, child = name.split(".")
-            lin = self.linear(name)
-            setattr(getattr(self, parent), child,
-                    FrozenLoRALinear.from_weight(dense_weight(lin), rank, alpha, generator, dtype))
+            frozen = FrozenLoRALinear.from_weight(dense_weight(self.linear(name)), rank, alpha, generator,
+                                                  dtype)
+            setattr(getattr(self, parent), child, frozen)
         self.attn_norm.weight.requires_grad_(False)
         self.mlp_norm.weight.requires_grad_(False)
 
@@ -317,16 +332,22 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, ckpt, path="checkpoint"):
-        """The model a checkpoint dict (common.load_checkpoint) holds: its config rebuilds the exact
-        module tree (which layers are int8 + LoRA), then the weights load into it."""
+        """The model a checkpoint dict (stepgpt.checkpoint.load_checkpoint) holds: its config rebuilds
+        the exact module tree (which layers are int8 + LoRA), then the weights load into it."""
         model = cls(GPTConfig.from_dict(ckpt["model_args"]))
         state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
             lines = str(e).strip().splitlines()
-            raise UserError(f"{path} does not match its own model config ({(lines[1:] or lines)[0].strip()}); it is damaged")
+            why = (lines[1:] or lines)[0].strip()
+            raise UserError(f"{path} does not match its own model config ({why}); it is damaged") from None
         return model
+
+    def merge_adapters(self, rounding="nearest", generator=None):
+        """Fold every frozen layer's adapters into its frozen weights. -> their merge sums, or None."""
+        frozen = self.config.frozen_layers
+        return sum(self.layers[i].merge_adapters(rounding, generator) for i in frozen) if frozen else None
 
     def freeze_embeddings(self):
         self.config.train_embeddings = False
@@ -398,20 +419,3 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-
-
-# MFU denominators: dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity)
-PEAK_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
-              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12}
-
-
-def peak_flops(device):
-    """Peak bf16 FLOP/s of a CUDA device by name, or None (CPU, unknown GPU: MFU shows n/a)."""
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():   # dict order puts specific names before their prefixes
-        if key in name:
-            return value
-    return None

@@ -1,14 +1,16 @@
 """Sample text from a checkpoint.
 
-  python sample.py --ckpt out-step-small/ckpt.pt --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 --top_k 200 --seed 1
+  python sample.py --ckpt out-step-small --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 \
+      --top_k 200 --seed 1
 """
 import argparse
 
 import torch
 
-from common import UserError, load_checkpoint, run_cli
 from data.prepare import get_tokenizer
 from model import GPT
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.errors import UserError, run_cli
 
 
 def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1):
@@ -22,13 +24,15 @@ def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200,
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
     model.train(was_training)
     # ids past the data's vocabulary (the model's vocab is padded to a multiple of 64) decode to nothing
-    texts = [enc.decode([t for t in row if t < meta["vocab_size"] and t != meta["eot_token"]]) for row in out.tolist()]
+    texts = [enc.decode([t for t in row if t < meta["vocab_size"] and t != meta["eot_token"]])
+             for row in out.tolist()]
     return "\n---------------\n".join(texts)
 
 
 def main(argv):
     p = argparse.ArgumentParser(description="sample text from a checkpoint")
-    p.add_argument("--ckpt", default="out-step-small", help="a checkpoint file, or a run folder for its newest")
+    p.add_argument("--ckpt", default="out-step-small",
+                   help="a checkpoint file, or a run folder for its newest")
     p.add_argument("--prompt", default="\n", help="text, or FILE:path to read it from a file")
     p.add_argument("--max_new_tokens", type=int, default=300)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -37,12 +41,28 @@ def main(argv):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
-    prompt = open(a.prompt[5:]).read() if a.prompt.startswith("FILE:") else a.prompt
+    for key in ("max_new_tokens", "num_samples"):
+        if getattr(a, key) < 1:
+            raise UserError(f"--{key} {getattr(a, key)} must be >= 1")
+    if not 0 <= a.temperature < float("inf") or a.top_k < 0:
+        raise UserError(f"--temperature {a.temperature} must be >= 0 (0: greedy) and --top_k {a.top_k} >= 0 "
+                        f"(0: no filter)")
+    if a.device != "cpu" and not (a.device.startswith("cuda") and torch.cuda.is_available()):
+        raise UserError(f"--device {a.device}: use cpu" + (" or cuda" if torch.cuda.is_available() else
+                                                          " (CUDA is not available here)"))
+    prompt = a.prompt
+    if prompt.startswith("FILE:"):
+        try:
+            with open(prompt[5:]) as f:
+                prompt = f.read()
+        except OSError as e:
+            raise UserError(f"--prompt {a.prompt}: cannot read {prompt[5:]} ({e.strerror or e})") from None
     ckpt = load_checkpoint(a.ckpt)
     if not ckpt.get("meta"):
         raise UserError(f"{a.ckpt} records no tokenizer (meta); it was not written by train.py")
     model = GPT.from_checkpoint(ckpt, a.ckpt).to(a.device)
-    print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num_samples))
+    print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed,
+                      a.num_samples))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@
 No GPU or driver is needed: triton.compile runs the whole CUDA pipeline down to a cubin for an
 explicit target, and the wheel's ptxas reports registers, spills and the "wgmma ... serialized"
 notes (C7511-C7515) that mark a tensor-core pipeline that does not overlap. The launches are the
-real ones: the launchers in kernels/ run on `meta` tensors with each kernel swapped for a recorder,
+real ones: the launchers in stepgpt/kernels/ run on `meta` tensors with each kernel swapped for a recorder,
 so the dtypes, strides, divisibility and constexprs are exactly what a CUDA run passes. Every
 recorded launch is then compiled once per autotune config.
 
 Exit status 1 if a variant fails to compile, if a launch has no config that fits the shared memory,
 or (on sm_90) if a main GEMM (_fwd_kernel, _dx_kernel) in bf16 at the 350M or 1B shapes spills or
-is serialised in any of its configs: the targets of kernel_anchors.md §9, kept by CI.
+is serialised in any of its configs: the targets we hold the kernels to, kept by CI.
 """
 import argparse
 import collections
@@ -37,8 +37,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from common import load_config  # noqa: E402
-from kernels import frozen_lora, quant  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
+from stepgpt.kernels import frozen_lora  # noqa: E402
 
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}   # bytes per block (opt-in max)
 MAIN_GEMMS = ("_fwd_kernel", "_dx_kernel")
@@ -67,8 +67,8 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((self.name, self.kernel, args, kw))
 
 
-_KERNELS = [(frozen_lora, n) for n in ("_lora_down_kernel", "_fwd_kernel", "_lora_bwd_kernel", "_dx_kernel")] + \
-           [(quant, n) for n in ("_quantize_kernel", "_dequantize_kernel")]
+_KERNELS = [(frozen_lora, n) for n in ("_lora_down_kernel", "_fwd_kernel", "_lora_bwd_kernel", "_dx_kernel",
+                                       "_dequantize_kernel")]
 
 
 def record(m, n, k, r, dtype):
@@ -80,13 +80,9 @@ def record(m, n, k, r, dtype):
     torch.backends.cuda.matmul.allow_tf32 = True     # train.py's setting on CUDA: fp32 runs as tf32
     try:
         e = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")  # noqa: E731
-        x, q, scale, a, b, dy = e(m, k), e(n, k, dt=torch.int8), e(n, dt=torch.float32), e(r, k), e(n, r), e(m, n)
-        check, quant.check_finite_scale = quant.check_finite_scale, lambda *a: None   # reads values
-        try:
-            quant.quantize_int8_triton(e(n, k, dt=torch.float32))
-        finally:
-            quant.check_finite_scale = check
-        quant.dequantize_int8_triton(q, scale, dtype)                       # the hybrid path's
+        x, q, scale, a, b, dy = (e(m, k), e(n, k, dt=torch.int8), e(n, dt=torch.float32), e(r, k), e(n, r),
+                                 e(m, n))
+        frozen_lora.dequantize(q, scale, dtype)                             # the hybrid path's
         _, s = frozen_lora._fused_forward(x, q, scale, a, b, 2.0)
         for deterministic in (False, True):
             dyb = frozen_lora._lora_backward(dy, x, b, s, deterministic)[0]
@@ -99,9 +95,10 @@ def record(m, n, k, r, dtype):
 
 
 def configs_of(kernel):
-    """The full autotune list (kernels/ trims it to one config where no GPU can tune), or the
+    """The full autotune list (stepgpt/kernels/ trims it to one config where no GPU can tune), or the
     defaults of a plain @triton.jit kernel."""
-    lists = {frozen_lora._fwd_kernel: frozen_lora._FWD_CONFIGS, frozen_lora._dx_kernel: frozen_lora._DX_CONFIGS,
+    lists = {frozen_lora._fwd_kernel: frozen_lora._FWD_CONFIGS,
+             frozen_lora._dx_kernel: frozen_lora._DX_CONFIGS,
              frozen_lora._lora_down_kernel: frozen_lora._DOWN_CONFIGS,
              frozen_lora._lora_bwd_kernel: frozen_lora._BWD_CONFIGS}
     return lists.get(kernel, [triton.Config({}, num_warps=4, num_stages=3)])
@@ -158,13 +155,14 @@ def compile_one(i):
     t0 = time.time()
     try:
         with contextlib.redirect_stdout(log):
-            k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+            k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
     except Exception as e:  # noqa: BLE001 -- every failure is a row of the table and exit status 1
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return dict(error=first[:160], seconds=time.time() - t0)
     log, ptx = log.getvalue(), k.asm["ptx"]
-    widths = collections.Counter(int(w, 0) for w in
-                                 re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
+    widths = collections.Counter(
+        int(w, 0) for w in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
     return dict(
         shared=k.metadata.shared,
         regs=int(re.search(r"Used (\d+) registers", log).group(1)),
@@ -179,9 +177,11 @@ def compile_one(i):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x10")
+    p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT),
+                   help="compute capability x10")
     p.add_argument("--dtypes", default="bf16,fp16", help=f"comma-separated, of {', '.join(DTYPES)}")
-    p.add_argument("--shapes", default="small,350m,1b,ragged", help="comma-separated, of small, 350m, 1b, ragged")
+    p.add_argument("--shapes", default="small,350m,1b,ragged",
+                   help="comma-separated, of small, 350m, 1b, ragged")
     p.add_argument("--kernels", default=",".join(n for _, n in _KERNELS), help="comma-separated kernel names")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiler processes")
     args = p.parse_args(argv)
@@ -194,19 +194,20 @@ def main(argv=None):
     _ARCH, _VARIANTS = args.arch, variants(args.arch, dtypes, names, kernel_names)
     t0 = time.time()
     if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:   # inherit _VARIANTS
+        # fork: the workers inherit _VARIANTS
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             results = list(pool.map(compile_one, range(len(_VARIANTS))))
     else:
         results = [compile_one(i) for i in range(len(_VARIANTS))]
     limit = SHARED_LIMIT[args.arch]
 
-    print(f"sm_{args.arch}, triton {triton.__version__}, {len(results)} variants in {time.time() - t0:.0f} s; "
-          f"shared memory limit {limit:,} B per block")
+    print(f"sm_{args.arch}, triton {triton.__version__}, {len(results)} variants in "
+          f"{time.time() - t0:.0f} s; shared memory limit {limit:,} B per block")
     for name, shape in shapes().items():
         if name in names:
             print(f"  {name}: M={shape[0]} tokens, n_embd {shape[1]}, ffn {shape[2]}, rank {shape[3]}")
-    print("cp.async: the kernel's asynchronous global-to-shared copies, count x bytes (16 = vectorised; none: "
-          "no pipelined K-loop); scalar: 1- and 2-byte global loads and stores")
+    print("cp.async: the kernel's asynchronous global-to-shared copies, count x bytes "
+          "(16 = vectorised; none: no pipelined K-loop); scalar: 1- and 2-byte global loads and stores")
     head = (f"| {'kernel':<17} | {'mode':<13} | {'dtype':<5} | {'config (tiles, stages, warps)':<29} | "
             f"{'smem B':>7} | {'regs':>4} | {'spill B':>7} | {'MMA':<8} | {'cp.async':<14} | {'scalar':>6} | "
             f"{'ptxas notes':<11} | used by")
@@ -223,26 +224,29 @@ def main(argv=None):
         uses = ", ".join(sorted(v["uses"]))
         if "error" in res:
             failures.append(f"{v['name']} {v['dtype']} {cfg} ({uses}): {res['error']}")
-            print(f"| {v['name']:<17} | {v['mode']:<13} | {v['dtype']:<5} | {cfg:<29} | FAILED: {res['error']} | {uses}")
+            print(f"| {v['name']:<17} | {v['mode']:<13} | {v['dtype']:<5} | {cfg:<29} | "
+                  f"FAILED: {res['error']} | {uses}")
             continue
         ok = res["shared"] <= limit
         for launch in v["launches"]:
             fits[(v["name"], v["mode"]) + launch] = fits.get((v["name"], v["mode"]) + launch, False) or ok
         smem = f"{res['shared']:,}" + ("" if ok else "!")
-        print(f"| {v['name']:<17} | {v['mode']:<13} | {v['dtype']:<5} | {cfg:<29} | {smem:>7} | {res['regs']:>4} | "
-              f"{res['spill']:>7} | {res['mma']:<8} | {res['cp_async']:<14} | {res['scalar']:>6} | "
-              f"{' '.join(res['serial']) or '-':<11} | {uses}")
-        if v["name"] in MAIN_GEMMS and v["dtype"] == "bf16" and \
-                any(s in ("350m", "1b") for s, _, _ in v["launches"]) and (res["spill"] or res["serial"] or not ok):
+        print(f"| {v['name']:<17} | {v['mode']:<13} | {v['dtype']:<5} | {cfg:<29} | {smem:>7} | "
+              f"{res['regs']:>4} | {res['spill']:>7} | {res['mma']:<8} | {res['cp_async']:<14} | "
+              f"{res['scalar']:>6} | {' '.join(res['serial']) or '-':<11} | {uses}")
+        if (v["name"] in MAIN_GEMMS and v["dtype"] == "bf16"
+                and any(s in ("350m", "1b") for s, _, _ in v["launches"])
+                and (res["spill"] or res["serial"] or not ok)):
             bad_main.append(f"{v['name']} {cfg} ({uses}): spill {res['spill']} B, notes {res['serial']}, "
                             f"smem {res['shared']:,} B")
     nofit = [" ".join(k) for k, ok in fits.items() if not ok]
     print(f"\n! = over the shared-memory limit (the autotuner skips it). {len(failures)} failed, "
-          f"{len(nofit)} launches with no config that fits, {len(bad_main)} bf16 main-GEMM configs at 350M/1B "
-          f"that spill, serialise or do not fit")
-    for line in failures + [f"no config fits: {k}" for k in nofit] + [f"target missed: {b}" for b in bad_main]:
+          f"{len(nofit)} launches with no config that fits, {len(bad_main)} bf16 main-GEMM configs "
+          f"at 350M/1B that spill, serialise or do not fit")
+    for line in (failures + [f"no config fits: {k}" for k in nofit]
+                 + [f"target missed: {b}" for b in bad_main]):
         print("  " + line)
-    # the spill and serialisation target is the H100/H200's (kernel_anchors.md §9); elsewhere listed
+    # the spill and serialisation target is the H100/H200's; elsewhere listed
     return 1 if failures or nofit or (bad_main and args.arch == 90) else 0
 
 

@@ -1,25 +1,26 @@
-"""The true peak memory of training steps, measured from the allocator, beside the planner's
+r"""The true peak memory of training steps, measured from the allocator, beside the planner's
 prediction: vanilla against STEP with 2 and 3 stages, with and without activation checkpointing
 and the chunked loss.
 
     python bench/memory.py                                   # config/step_small.py's model on CPU, ~3 min
     python bench/memory.py --set batch_size=4 --only vanilla,step2
-    python bench/memory.py --meta config/step_350m.py,config/step_1b.py   # model state at paper scale, seconds
-    python bench/memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk --set batch_size=1
+    python bench/memory.py --meta config/step_350m.py,config/step_1b.py  # model state at paper scale, seconds
+    python bench/memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
+        --set batch_size=1
 
 Each run replays two training steps per stage (AdamW creates its moments in the first step's
 update, after that step's backward has peaked; from the second step on they are live through the
 backward) and stage changes in between, under the profiler, which records every CPU allocation
 and free; the peak of each window is read from that timeline. With --device cuda the peak of each
 window is torch.cuda.max_memory_allocated (bench/gpu_check.sh runs it; train.py's log line shows the
-same counter for a whole run). The prediction is the planner's grow.step_peak_bytes: model state
+same counter for a whole run). The prediction is the planner's memory.step_peak_bytes: model state
 without gradients + the activations autograd saves (fp32), or the full state at the optimizer step
 with its temporaries, whichever is larger (on CUDA bf16 autocast saves other tensors, so there the
 prediction is an fp32 reference, not a model of what autocast keeps).
 
 --meta builds each stage's model of a big config on the meta device (shapes and dtypes, no memory):
 its parameters and buffers as the module holds them, a gradient per trainable parameter and the
-optimizer state that the optimizer's own initialisation creates, beside grow.state_bytes.
+optimizer state that the optimizer's own initialisation creates, beside memory.state_bytes.
 """
 import argparse
 import importlib.util
@@ -34,7 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import train  # noqa: E402
-from common import UserError, load_config, run_cli  # noqa: E402
+from stepgpt import memory  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
+from stepgpt.errors import UserError, run_cli  # noqa: E402
 from model import GPT  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +50,10 @@ MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--
 def run_args(config, name):
     """train.py overrides that make `config` the run `name` of RUNS."""
     depth = grow.final_depth(load_config([config]))
-    if name == "vanilla":
-        return [f"--stage_layers=[{depth}]"]
-    return ["--stage_layers=[]", f"--target_layers={depth}", f"--n_stages={name.removeprefix('step')}"]
+    if name == "vanilla":   # measure() sets each stage's tokens
+        return [f"--stage_layers=[{depth}]", "--stage_tokens=[]"]
+    return ["--stage_layers=[]", f"--target_layers={depth}", f"--n_stages={name.removeprefix('step')}",
+            "--stage_tokens=[]"]
 
 
 def measure(args, device="cpu"):
@@ -89,13 +93,14 @@ def measure(args, device="cpu"):
         quiet = open(os.devnull, "w")
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            timeline = grow.cpu_memory_timeline(replay) if device == "cpu" else replay()
+            timeline = memory.cpu_memory_timeline(replay) if device == "cpu" else replay()
         finally:
             sys.stdout = stdout
             quiet.close()
     out = []
     for i, ((phase, stage, t0), (_, _, t1)) in enumerate(zip(marks, marks[1:])):
-        peak = cuda_peaks[i + 1] if device == "cuda" else max((b for t, b in timeline if t0 <= t < t1), default=0)
+        peak = (cuda_peaks[i + 1] if device == "cuda"
+                else max((b for t, b in timeline if t0 <= t < t1), default=0))
         out.append(dict(phase=phase, stage=stage, n_trainable=shapes[stage][0], n_frozen=shapes[stage][1],
                         tokens=cfg.batch_size * cfg.block_size, peak=peak))
     return out
@@ -110,7 +115,7 @@ def meta_state(tcfg, vocab, n_trainable, n_frozen):
         model = GPT(cfg)
     if n_frozen and not tcfg.train_embeddings:
         model.freeze_embeddings()
-    opt = train.build_optimizer(model, tcfg, torch.device("meta"))
+    opt = train.configure_optimizer(model, tcfg, torch.device("meta"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.grad = torch.empty_like(p)
@@ -129,38 +134,41 @@ def meta_state(tcfg, vocab, n_trainable, n_frozen):
 
 def meta_table(configs):
     gib = lambda b: f"{b / 2**30:.4f}"   # noqa: E731
-    print("| config | optimizer | stage | layers (trainable + frozen) | planned state GiB | meta-device state GiB "
-          "| meta - planned | RoPE tables |")
+    print("| config | optimizer | stage | layers (trainable + frozen) | planned state GiB "
+          "| meta-device state GiB | meta - planned | RoPE tables |")
     print("|---|---|---|---|---|---|---|---|")
     optimizers = ["adamw"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
     for path in configs:
         for optimizer in optimizers:
             tcfg = load_config([path, f"--optimizer={optimizer}"])
-            vocab = grow.data_vocab(tcfg)[0]
+            vocab = memory.data_vocab(tcfg)[0]
             layers, _ = grow.stage_plan(tcfg, vocab, tcfg.batch_size * tcfg.block_size)
-            rows = [("vanilla", sum(layers), 0)] + [(str(i + 1), n, sum(layers[:i])) for i, n in enumerate(layers)]
+            rows = ([("vanilla", sum(layers), 0)]
+                    + [(str(i + 1), n, sum(layers[:i])) for i, n in enumerate(layers)])
             for stage, n, f in rows:
                 mc = grow.model_config(tcfg, n + f, vocab)
-                planned = grow.state_bytes(mc, n, f, train_embeddings=tcfg.train_embeddings or f == 0,
-                                           optimizer=optimizer)
+                planned = memory.state_bytes(mc, n, f, train_embeddings=tcfg.train_embeddings or f == 0,
+                                             optimizer=optimizer)
                 held, rope = meta_state(tcfg, vocab, n, f)
-                print(f"| {os.path.basename(path)} | {optimizer} | {stage} | {n} + {f} | {gib(planned)} | {gib(held)} | "
-                      f"{held - planned:,} B | {rope:,} B |", flush=True)
+                print(f"| {os.path.basename(path)} | {optimizer} | {stage} | {n} + {f} | {gib(planned)} | "
+                      f"{gib(held)} | {held - planned:,} B | {rope:,} B |", flush=True)
     if len(optimizers) == 1:
         print("(no adamw8bit rows: pip install bitsandbytes==0.50.2)")
 
 
 def predict(cfg, row):
-    return grow.step_peak_bytes(grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size),
-                                row["n_trainable"], row["n_frozen"], row["tokens"],
-                                train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
-                                checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
-                                optimizer=cfg.optimizer)
+    return memory.step_peak_bytes(
+        grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size),
+        row["n_trainable"], row["n_frozen"], row["tokens"],
+        train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
+        checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
+        optimizer=cfg.optimizer)
 
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=os.path.join("config", "step_small.py"), help="the model (default: step_small)")
+    p.add_argument("--config", default=os.path.join("config", "step_small.py"),
+                   help="the model (default: step_small)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: torch.cuda.max_memory_allocated per window, bf16 autocast, eager")
     p.add_argument("--only", default="", help=f"comma-separated runs of {list(RUNS)} (default: all)")
@@ -168,7 +176,8 @@ def main(argv):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override for every run, e.g. --set batch_size=4 (repeatable)")
     p.add_argument("--meta", default="", metavar="CONFIGS",
-                   help="comma-separated config files: their model state per stage on the meta device instead")
+                   help="comma-separated config files: their model state per stage on the meta device "
+                        "instead")
     a = p.parse_args(argv)
     if a.meta:
         return meta_table(a.meta.split(","))
@@ -186,20 +195,21 @@ def main(argv):
         for name in runs:
             args = [a.config, *run_args(a.config, name), *MODES[mode], *extra]
             cfg = load_config(args)
-            cfg = replace(cfg, vocab_size=grow.data_vocab(cfg)[0])
+            cfg = replace(cfg, vocab_size=memory.data_vocab(cfg)[0])
             rows = measure(args, a.device)
             run_peak = max(r["peak"] for r in rows)
             vanilla.setdefault(mode, run_peak if name == "vanilla" else None)
             base = vanilla[mode]
             for r in rows:
                 mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
-                state = grow.state_bytes(mc, r["n_trainable"], r["n_frozen"],
-                                         train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0,
-                                         optimizer=cfg.optimizer)
+                state = memory.state_bytes(mc, r["n_trainable"], r["n_frozen"],
+                                           train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0,
+                                           optimizer=cfg.optimizer)
                 planned = predict(cfg, r) if r["phase"] == "step" else None
                 err = f"{(r['peak'] - planned) / planned:+.1%}" if planned else "-"
-                print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | {r['n_trainable']} + {r['n_frozen']} | "
-                      f"{mib(state)} | {mib(planned) if planned else '-'} | {mib(r['peak'])} | {err} | "
+                print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | "
+                      f"{r['n_trainable']} + {r['n_frozen']} | {mib(state)} | "
+                      f"{mib(planned) if planned else '-'} | {mib(r['peak'])} | {err} | "
                       f"{f'{run_peak / base:.2f}x' if base and r is rows[-1] else ''} |", flush=True)
 
 

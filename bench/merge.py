@@ -14,8 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import dequantize_int8  # noqa: E402
-from model import FrozenLoRALinear  # noqa: E402
+from model import FrozenLoRALinear, merge_quality  # noqa: E402
 
 N = K = 1024
 
@@ -27,12 +26,12 @@ def merge_once(steps, rounding):
         update = (torch.rand(N, K) * 2 - 1) * steps * lin.weight_scale[:, None]
         lin.lora_b.copy_(torch.eye(N))
         lin.lora_a.copy_(update)
-    stats = lin.merge(rounding, torch.Generator().manual_seed(1))
-    return stats.kept, stats.error
+    return merge_quality(lin.merge(rounding, torch.Generator().manual_seed(1)))
 
 
 def main():
-    print(f"{'update (steps)':>15} | {'nearest kept':>12} {'error':>8} | {'stochastic kept':>15} {'error':>8}")
+    print(f"{'update (steps)':>15} | {'nearest kept':>12} {'error':>8} | "
+          f"{'stochastic kept':>15} {'error':>8}")
     for steps in (0.1, 0.25, 0.5, 1, 2, 5, 20):
         (kn, en), (ks, es) = merge_once(steps, "nearest"), merge_once(steps, "stochastic")
         print(f"{steps:>15} | {100 * kn:11.1f}% {100 * en:7.1f}% | {100 * ks:14.1f}% {100 * es:7.1f}%")

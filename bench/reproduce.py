@@ -29,7 +29,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 from bench.memory import measure  # noqa: E402
-from common import UserError, checkpoint_files, load_config, run_cli  # noqa: E402
+from stepgpt.checkpoint import checkpoint_files  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
+from stepgpt.errors import UserError, run_cli  # noqa: E402
 from model import padded_vocab  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,8 +47,8 @@ def grid(base, tokens):
     L, d = grow.final_depth(base), base.n_embd
     iters = tokens // (base.batch_size * base.block_size * base.gradient_accumulation_steps)
     k = grow.stage_count(base)
-    step2 = dict(stage_tokens=split(tokens, k)) if k == 2 else dict(stage_layers=[], target_layers=L, n_stages=2,
-                                                                      stage_tokens=split(tokens, 2))
+    step2 = (dict(stage_tokens=split(tokens, k)) if k == 2
+             else dict(stage_layers=[], target_layers=L, n_stages=2, stage_tokens=split(tokens, 2)))
     vanilla = dict(stage_layers=[L], target_layers=0, n_stages=1, stage_tokens=[tokens])
     warm = tokens // 4   # ReLoRA's full-rank warm start: 5k of its 20k steps
     runs = [("vanilla-s1", "vanilla: every parameter trained from the start", vanilla),
@@ -59,16 +61,20 @@ def grid(base, tokens):
             # (d/8), merged and restarted every cycle with 99 % of the moments pruned, jagged lr
             ("relora", "ReLoRA: 25 % full-rank warm start, then all layers frozen + LoRA, merge-and-restart",
              dict(stage_layers=[L, 0], target_layers=0, stage_tokens=[warm, tokens - warm], lora_rank=d // 8,
-                  lora_alpha=2.0 * (d // 8), relora_every=max(1, (iters - iters // 4) // 4), relora_prune=0.99)),
+                  lora_alpha=2.0 * (d // 8), relora_every=max(1, (iters - iters // 4) // 4),
+                  relora_prune=0.99)),
             # GaLore's paper: rank 256 at width 1024 (d/4), scale 0.25; projection refreshed ~10x a run
             ("galore", "GaLore: full-rank, gradients of the layers' matrices projected",
              {**vanilla, "optimizer": "galore", "galore_rank": d // 4, "galore_scale": 0.25,
               "galore_update_proj_gap": max(1, iters // 10)}),
-            ("step2-no-adapters", "STEP-2 without adapters (old layers frozen as they are)", {**step2, "lora_rank": 0}),
-            ("step2-intermediate", "STEP-2, new layers in the middle third", {**step2, "grow_where": "intermediate"}),
+            ("step2-no-adapters", "STEP-2 without adapters (old layers frozen as they are)",
+             {**step2, "lora_rank": 0}),
+            ("step2-intermediate", "STEP-2, new layers in the middle third",
+             {**step2, "grow_where": "intermediate"}),
             ("step2-lower", "STEP-2, new layers in the lower third", {**step2, "grow_where": "lower"}),
             ("step2-random", "STEP-2, new layers in random gaps", {**step2, "grow_where": "random"}),
-            ("step2-bf16", "STEP-2, frozen layers in bf16 (the paper's store)", {**step2, "frozen_dtype": "bf16"}),
+            ("step2-bf16", "STEP-2, frozen layers in bf16 (the paper's store)",
+             {**step2, "frozen_dtype": "bf16"}),
             ("step2-lora-wd", "STEP-2, weight decay on the adapters too",
              {**step2, "lora_weight_decay": base.weight_decay}),
             ("step2-grow75", "STEP-2, growth at 75 % of each stage's budget (the paper's timing)",
@@ -77,7 +83,8 @@ def grid(base, tokens):
 
 
 def argv_of(base_path, overrides, out_dir, evals):
-    args = [base_path] + [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
+    args = [base_path] + [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}"
+                          for k, v in overrides.items()]
     return args + [f"--out_dir={out_dir}", f"--eval_interval={evals}", "--sample_tokens=0"]
 
 
@@ -126,7 +133,8 @@ def run_one(name, args, out_dir, launcher, log):
     cfg = load_config(args)
     per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     vals = [r for r in recs if "val_loss" in r]
-    stage_starts = [r["step"] for a, r in zip(recs, recs[1:]) if r.get("stage", 0) > a.get("stage", r.get("stage", 0))]
+    stage_starts = [r["step"] for a, r in zip(recs, recs[1:])
+                    if r.get("stage", 0) > a.get("stage", r.get("stage", 0))]
     cuda = [r["cuda_max_allocated"] for r in recs if r.get("cuda_max_allocated")]
     with open(os.path.join(cfg.data_dir, "meta.json")) as f:
         data_vocab = json.load(f)["vocab_size"]
@@ -146,8 +154,8 @@ def run_one(name, args, out_dir, launcher, log):
 def table(rows, whats):
     vanilla = next((r for r in rows if r["name"].startswith("vanilla")), None)
     mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"   # noqa: E731
-    out = ["| run | what | final val | best val | peak MiB (measured) | vs vanilla | model state MiB (planned) "
-           "| tokens | wall min |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| run | what | final val | best val | peak MiB (measured) | vs vanilla "
+           "| model state MiB (planned) | tokens | wall min |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['peak_bytes'] / vanilla['peak_bytes']:.2f}x" if vanilla else "-"
         out.append(f"| {r['name']} | {whats[r['name']]} | {r['final_val']:.4f} | {r['best_val']:.4f} | "
@@ -167,7 +175,8 @@ def plot(rows, path):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     for i, r in enumerate(rows):
         (x, y), c = zip(*r["val_curve"]), f"C{i % 10}"
-        style = "-" if r["name"].startswith(("vanilla", "step2-s")) else "--" if r["name"].startswith("step2-") else "-."
+        style = ("-" if r["name"].startswith(("vanilla", "step2-s"))
+                 else "--" if r["name"].startswith("step2-") else "-.")
         ax.plot(x, y, style, color=c, marker=".", label=f"{r['name']} ({r['final_val']:.3f})")
         for s in r["stage_starts"]:
             ax.axvline(s, color=c, alpha=0.35, linestyle=":")
@@ -180,8 +189,8 @@ def plot(rows, path):
     names = [r["name"] for r in rows]
     bx.barh(names, [r["peak_bytes"] / 2**20 for r in rows], color=[f"C{i % 10}" for i in range(len(rows))],
             label="measured peak")
-    bx.barh(names, [(r["planned_bytes"] or 0) / 2**20 for r in rows], color="none", edgecolor="black", hatch="//",
-            label="planned model state")
+    bx.barh(names, [(r["planned_bytes"] or 0) / 2**20 for r in rows], color="none", edgecolor="black",
+            hatch="//", label="planned model state")
     bx.invert_yaxis()
     bx.set_xlabel("MiB")
     bx.set_title(f"peak memory ({rows[0]['peak_source']})")
@@ -197,7 +206,8 @@ def main(argv):
     p.add_argument("--tokens", type=int, default=0, help="tokens per run (default: the base config's)")
     p.add_argument("--only", default="", help="comma-separated run names (default: all)")
     p.add_argument("--out", default="out-reproduce", help="folder of the runs, the table and the plots")
-    p.add_argument("--launcher", default="", help='e.g. "torchrun --standalone --nproc_per_node=8" (default: python)')
+    p.add_argument("--launcher", default="",
+                   help='e.g. "torchrun --standalone --nproc_per_node=8" (default: python)')
     p.add_argument("--evals", type=int, default=12, help="evaluations per run (the points of the val curve)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override for every run, e.g. --set batch_size=8 (repeatable)")
@@ -213,19 +223,22 @@ def main(argv):
         known = {n for n, _, _ in runs}
         wanted = a.only.split(",")
         if set(wanted) - known:
-            raise UserError(f"--only: unknown run(s) {sorted(set(wanted) - known)}; the grid has {[n for n, _, _ in runs]}")
+            raise UserError(f"--only: unknown run(s) {sorted(set(wanted) - known)}; "
+                            f"the grid has {[n for n, _, _ in runs]}")
         runs = [r for r in runs if r[0] in wanted]
     per_iter = base.batch_size * base.block_size * base.gradient_accumulation_steps
     evals = max(1, tokens // per_iter // a.evals)
     launcher = shlex.split(a.launcher) if a.launcher else [sys.executable]
     os.makedirs(a.out, exist_ok=True)
     log = lambda msg: print(f"[reproduce {time.strftime('%H:%M:%S')}] {msg}", flush=True)   # noqa: E731
-    log(f"{len(runs)} runs of {tokens:,} tokens on {base_path}{' ' + ' '.join(extra) if extra else ''} into {a.out}")
+    log(f"{len(runs)} runs of {tokens:,} tokens on {base_path}"
+        f"{' ' + ' '.join(extra) if extra else ''} into {a.out}")
     rows = []
-    for name, what, overrides in runs:
+    for name, _, overrides in runs:
         args = argv_of(base_path, overrides, os.path.abspath(os.path.join(a.out, name)), evals) + extra
         r = run_one(name, args, os.path.join(a.out, name), launcher, log)
-        log(f"{name}: final val {r['final_val']:.4f}, peak {r['peak_bytes'] / 2**20:.1f} MiB, {r['wall_s'] / 60:.1f} min")
+        log(f"{name}: final val {r['final_val']:.4f}, peak {r['peak_bytes'] / 2**20:.1f} MiB, "
+            f"{r['wall_s'] / 60:.1f} min")
         rows.append(r)
     whats = {n: w for n, w, _ in grid(base, tokens)}
     text = table(rows, whats)

@@ -5,12 +5,12 @@
 
 Both models have the same depth, width, batch and sequence length; STEP's has its first layers
 frozen (int8 + LoRA), as in its last stage. A step is forward, backward and the optimizer step
-(train.build_optimizer's AdamW). The two are timed in alternating windows, so that a change in
+(train.configure_optimizer's AdamW). The two are timed in alternating windows, so that a change in
 the machine's speed hits both; warm-up steps are left out; the result is the median window.
 
 The expectation is the ratio of training matmul FLOPs (model.estimate_flops: 6 per trainable
-weight, 4 per frozen one, which needs no weight gradient, plus the adapters and attention); on
-the issue's simplified count (4 x frozen + 6 x trainable) / (6 x all) over the layers alone.
+weight, 4 per frozen one, which needs no weight gradient, plus the adapters and attention), and the
+simpler (4 x frozen + 6 x trainable) / (6 x all) over the layers alone.
 """
 import argparse
 import os
@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import grow  # noqa: E402
-from common import load_config  # noqa: E402
+from stepgpt import memory  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
 from model import GPT  # noqa: E402
-from train import build_optimizer  # noqa: E402
+from train import configure_optimizer  # noqa: E402
 
 
 def build(tcfg, n_layer, n_frozen, vocab, block, device):
@@ -33,7 +34,7 @@ def build(tcfg, n_layer, n_frozen, vocab, block, device):
     cfg.block_size, cfg.frozen_layers = block, tuple(range(n_frozen))
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    return model, build_optimizer(model, tcfg, device)
+    return model, configure_optimizer(model, tcfg, device)
 
 
 def step(model, opt, x, y):
@@ -46,10 +47,14 @@ def step(model, opt, x, y):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", default="config/step_small.py")
-    p.add_argument("--layers", type=int, default=0, help="depth of both models (default: the config's final depth)")
-    p.add_argument("--frozen", type=int, default=0, help="STEP's frozen layers (default: all but the last stage's)")
-    p.add_argument("--batch", type=int, default=0, help="sequences per step (default: the config's batch_size)")
-    p.add_argument("--block", type=int, default=0, help="tokens per sequence (default: the config's block_size)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="depth of both models (default: the config's final depth)")
+    p.add_argument("--frozen", type=int, default=0,
+                   help="STEP's frozen layers (default: all but the last stage's)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="sequences per step (default: the config's batch_size)")
+    p.add_argument("--block", type=int, default=0,
+                   help="tokens per sequence (default: the config's block_size)")
     p.add_argument("--vocab", type=int, default=0, help="vocabulary (default: the config's data)")
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="steps per window")
@@ -59,17 +64,16 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     tcfg = load_config([args.config])
-    grow.check_stages(tcfg)
     n_layer = args.layers or grow.final_depth(tcfg)
     if args.frozen:
         n_frozen = args.frozen
     else:   # the last stage of the config's plan, scaled to n_layer
-        plan = grow.plan_stages(grow.model_config(tcfg, n_layer, args.vocab or grow.data_vocab(tcfg)[0]),
+        plan = grow.plan_stages(grow.model_config(tcfg, n_layer, args.vocab or memory.data_vocab(tcfg)[0]),
                                 n_layer, grow.stage_count(tcfg))
         n_frozen = n_layer - plan[-1]
     if not 0 < n_frozen < n_layer:
         sys.exit(f"bench/train.py: --frozen {n_frozen} must be between 1 and {n_layer - 1}")
-    vocab = args.vocab or grow.data_vocab(tcfg)[0]
+    vocab = args.vocab or memory.data_vocab(tcfg)[0]
     batch, block = args.batch or tcfg.batch_size, args.block or tcfg.block_size
     device = torch.device(args.device)
 
@@ -97,11 +101,12 @@ def main(argv=None):
             run["times"].append((time.perf_counter() - t0) / args.steps)
 
     c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
-    print(f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; batch {batch} x "
-          f"{block} tokens; {device.type}{' (compiled)' if args.compile else ''}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.windows} windows of {args.steps} steps after {args.warmup} warm-up")
-    print(f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | {'median s/step':>13} | "
-          f"{'min':>7} | {'max':>7} |")
+    print(f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; "
+          f"batch {batch} x {block} tokens; {device.type}{' (compiled)' if args.compile else ''}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.windows} windows of "
+          f"{args.steps} steps after {args.warmup} warm-up")
+    print(f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | "
+          f"{'median s/step':>13} | {'min':>7} | {'max':>7} |")
     print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 9}|{'-' * 9}|")
     for name, run in runs.items():
         trainable, frozen = run["model"].num_params()
@@ -112,8 +117,9 @@ def main(argv=None):
     vanilla, stepped = runs.values()
     ratio = stepped["median"] / vanilla["median"]
     simple = (4 * n_frozen + 6 * (n_layer - n_frozen)) / (6 * n_layer)
-    print(f"STEP / vanilla step time: {ratio:.3f} measured; {stepped['flops'] / vanilla['flops']:.3f} in training "
-          f"matmul FLOPs (estimate_flops); {simple:.3f} by (4 x frozen + 6 x trainable) / (6 x all) over the layers")
+    print(f"STEP / vanilla step time: {ratio:.3f} measured; {stepped['flops'] / vanilla['flops']:.3f} "
+          f"in training matmul FLOPs (estimate_flops); {simple:.3f} by (4 x frozen + 6 x trainable) / "
+          f"(6 x all) over the layers")
     return ratio
 
 

@@ -2,9 +2,10 @@
 # sequence 1024, untied 32,000-token vocabulary), for GPUs. One deviation: FFN 5504, not 5461
 # (8/3 x 2048, rounded up to a multiple of 64). With 5461 every MLP row is misaligned, so the
 # kernels' loads and stores go scalar and the K-loop loses its asynchronous copies
-# (bench/compile_kernels.py shows both); 5504 costs 0.5 % more parameters: 1.345B, 1.214B in layers. Three stages planned by Eq. 3: python grow.py plan config/step_1b.py
+# (bench/compile_kernels.py shows both); 5504 costs 0.5 % more parameters: 1.345B, 1.214B in layers.
+# Three stages planned by Eq. 3: python plan.py config/step_1b.py
 # Data: as config/step_350m.py, with 24B tokens:
-#   python data/prepare.py --source=fineweb-edu --max_tokens=24100000000 --vocab_ranks=31999 --out=data/fineweb-edu
+#   python data/prepare.py --source=fineweb-edu --max_tokens=24100000000 --vocab_ranks=31999
 out_dir = "out-step-1b"
 data_dir = "data/fineweb-edu"
 vocab_size = 32000

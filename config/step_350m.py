@@ -1,10 +1,10 @@
 # STEP at the paper's 368M scale (the ReLoRA/GaLore LLaMA-350M: hidden 1024, 24 layers, FFN 2736,
 # 16 heads, sequence 1024, untied 32,000-token vocabulary: 367.97M parameters), for GPUs. Two
 # stages planned by grow.plan_stages (Eq. 3) to minimise the peak model-state memory:
-#   python grow.py plan config/step_350m.py
+#   python plan.py config/step_350m.py
 # Data: FineWeb-Edu in a 32,000-token vocabulary (cl100k's first 31,999 BPE ranks + <|endoftext|>),
 # 7.3B tokens; needs internet and `pip install datasets`:
-#   python data/prepare.py --source=fineweb-edu --max_tokens=7300000000 --vocab_ranks=31999 --out=data/fineweb-edu
+#   python data/prepare.py --source=fineweb-edu --max_tokens=7300000000 --vocab_ranks=31999
 out_dir = "out-step-350m"
 data_dir = "data/fineweb-edu"
 vocab_size = 32000

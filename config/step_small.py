@@ -1,9 +1,9 @@
 # STEP on Shakespeare, small enough for a 2-core CPU in a few minutes: a 6-layer model of 5.83M
 # parameters (3.17M of them embeddings and head, in the 8,193-token vocabulary data/prepare.py makes).
 # Two stages: 3 layers trained fully, then 3 more inserted (interpolation-mean; `upper` puts all
-# three above the top old layer, the upper third of 3 gaps: order 0 1 2 n n n) while the first 3 sit frozen in int8
-# behind rank-8 LoRA adapters. config/vanilla_small.py trains the same 6-layer model on the same
-# tokens, every parameter trainable, for comparison.
+# three above the top old layer, the upper third of 3 gaps: order 0 1 2 n n n) while the first 3
+# sit frozen in int8 behind rank-8 LoRA adapters. config/vanilla_small.py trains the same 6-layer
+# model on the same tokens, every parameter trainable, for comparison.
 out_dir = "out-step-small"
 data_dir = "data/shakespeare"
 

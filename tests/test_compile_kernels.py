@@ -22,7 +22,8 @@ def test_every_kernel_compiles_clean_for_sm90():
     run = _run([])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "0 failed, 0 launches with no config that fits, 0 bf16 main-GEMM configs" in run.stdout
-    for kernel in ("_fwd_kernel", "_dx_kernel", "_lora_down_kernel", "_lora_bwd_kernel", "_dequantize_kernel"):
+    for kernel in ("_fwd_kernel", "_dx_kernel", "_lora_down_kernel", "_lora_bwd_kernel",
+                   "_dequantize_kernel"):
         assert f"| {kernel}" in run.stdout
 
 
@@ -31,8 +32,9 @@ def test_a_config_over_the_shared_memory_limit_fails_the_check():
         import sys, triton
         sys.path.insert(0, "bench")
         import compile_kernels
-        from kernels import frozen_lora
-        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8), num_stages=4, num_warps=8)
+        from stepgpt.kernels import frozen_lora
+        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8),
+                             num_stages=4, num_warps=8)
         frozen_lora._FWD_CONFIGS[:] = [huge]
         sys.exit(compile_kernels.main(sys.argv[1:]))
     """

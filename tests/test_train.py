@@ -11,13 +11,17 @@ import torch
 
 import grow
 import train
-from common import UserError, checkpoint_files, load_checkpoint, load_config
+from stepgpt import memory, optim
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.config import load_config
+from stepgpt.errors import UserError
 from model import GPT
 from tests.helpers import tiny_config, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
-        "--eval_iters=2", "--log_interval=2", "--sample_tokens=0", "--warmup_iters=4", "--stage_warmup_iters=3"]
+        "--eval_iters=2", "--log_interval=2", "--sample_tokens=0", "--warmup_iters=4",
+        "--stage_warmup_iters=3"]
 
 
 def args(tmp_path, *extra, data=None):
@@ -27,7 +31,7 @@ def args(tmp_path, *extra, data=None):
 
 def metrics(tmp_path):
     with open(tmp_path / "out" / "metrics.jsonl") as f:
-        return [json.loads(l) for l in f]
+        return [json.loads(line) for line in f]
 
 
 def final_state(tmp_path):
@@ -44,7 +48,8 @@ def straight_and_resumed(tmp_path, common, stop):
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
 
 
 # -- schedule and optimizer -----------------------------------------------------------------------
@@ -60,7 +65,8 @@ def test_learning_rate_schedule_shape():
     assert lr[10] == pytest.approx(1.0) and lr[110] == pytest.approx(0.1)
     assert lr[30] == pytest.approx(cosine(30)) and lr[60] == pytest.approx(cosine(60))
     for r in restarts:
-        assert [lr[r + k] for k in range(5)] == pytest.approx([cosine(r + k) * min(1, (k + 1) / 4) for k in range(5)])
+        assert [lr[r + k] for k in range(5)] == pytest.approx([cosine(r + k) * min(1, (k + 1) / 4)
+                                                               for k in range(5)])
     assert all(a >= b for a, b in zip(lr[10:50], lr[11:50]))                    # decays between restarts
 
 
@@ -70,25 +76,27 @@ def test_optimizer_rebuild_keeps_only_the_state_outside_the_stack():
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=2))
     cfg = load_config([])
-    opt = train.build_optimizer(model, cfg, torch.device("cpu"))
+    opt = train.configure_optimizer(model, cfg, torch.device("cpu"))
     idx = torch.randint(0, 128, (2, 16))
     model(idx, idx)[1].backward()
     opt.step()
     before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
     grow.next_stage(model, 1)
-    new = train.build_optimizer(model, cfg, torch.device("cpu"), previous=opt)
+    new = train.configure_optimizer(model, cfg, torch.device("cpu"), previous=opt)
     names = dict(model.named_parameters())
     outside = {"wte.weight", "lm_head.weight", "norm.weight"}
     for n in outside:
-        assert new.state[names[n]] and all(torch.equal(new.state[names[n]][k], before[n][k]) for k in before[n])
+        assert new.state[names[n]] and all(torch.equal(new.state[names[n]][k], before[n][k])
+                                           for k in before[n])
     assert all(not new.state.get(p) for n, p in names.items() if n not in outside)
     decay = {id(p): g["weight_decay"] for g in new.param_groups for p in g["params"]}
     assert {decay[id(p)] for n, p in names.items() if "lora_" in n} == {0.0}
     assert decay[id(names["wte.weight"])] == 0.1 and decay[id(names["norm.weight"])] == 0.0
     assert {decay[id(p)] for n, p in names.items() if "mlp.up.weight" in n} == {0.1}
     assert len(decay) == sum(p.requires_grad for p in names.values())          # every trainable tensor, once
-    lora_wd = train.build_optimizer(model, load_config(["--lora_weight_decay=0.01"]), torch.device("cpu"))
-    assert {g["weight_decay"] for g in lora_wd.param_groups if any(p is names["layers.0.attn.q.lora_a"] for p in g["params"])} == {0.01}
+    lora_wd = train.configure_optimizer(model, load_config(["--lora_weight_decay=0.01"]), torch.device("cpu"))
+    assert {g["weight_decay"] for g in lora_wd.param_groups
+            if any(p is names["layers.0.attn.q.lora_a"] for p in g["params"])} == {0.01}
 
 
 def test_stage_tokens_length_must_match_the_stages(tmp_path):
@@ -113,7 +121,8 @@ def test_loss_falls_on_a_tiny_corpus(tmp_path):
 
 
 @pytest.mark.parametrize("stages, stop, extra", [("[2]", 7, ""), ("[1, 1]", 7, ""), ("[1, 1]", 12, ""),
-                                                 ("[1, 1, 1]", 13, ""), ("[1, 1]", 7, "--train_embeddings=False")])
+                                                 ("[1, 1, 1]", 13, ""),
+                                                 ("[1, 1]", 7, "--train_embeddings=False")])
 def test_resume_is_bitwise_exact(tmp_path, stages, stop, extra):
     """N straight steps == k steps + resume + N-k steps, bitwise on CPU, mid-stage and across a
     growth boundary (stages of 10 iters; 7 and 13 stop mid-stage, 12 right after a growth), with
@@ -145,7 +154,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(UserError, match=r"non-finite loss or gradient at step [67]"):
         train.main(args(tmp_path, *common, "--init_from=resume", "--learning_rate=1e38", data=data))
     after = final_state(tmp_path)
-    assert after["iter_num"] == 5 and all(torch.equal(good["model"][k], after["model"][k]) for k in good["model"])
+    assert after["iter_num"] == 5 and all(torch.equal(good["model"][k], after["model"][k])
+                                          for k in good["model"])
 
 
 # -- bad input on the command line: one line, no traceback, nothing lost --------------------------
@@ -172,7 +182,8 @@ def test_cli_bad_inputs(tmp_path):
     os.makedirs(tmp_path / "out", exist_ok=True)
     (tmp_path / "out" / "ckpt-00000010.pt").write_bytes(b"not a checkpoint at all")
     one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no step-gpt header")
-    one_line_error(run_cli(*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out' / 'ckpt-00000010.pt' / 'sub'}"),
+    one_line_error(run_cli(*TINY, f"--data_dir={data}",
+                           f"--out_dir={tmp_path / 'out' / 'ckpt-00000010.pt' / 'sub'}"),
                    "is not writable")
 
 
@@ -187,12 +198,14 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_used_only_when_a
     data = write_dataset(tmp_path / "data")
     train.main(args(tmp_path, "--max_iters=6", "--eval_interval=2", "--keep_checkpoints=2", data=data))
     files = checkpoint_files(str(tmp_path / "out"))
-    assert [os.path.basename(f) for f in files] == ["ckpt-00000006.pt", "ckpt-00000004.pt"]   # the newest 2 kept
+    # the newest 2 kept
+    assert [os.path.basename(f) for f in files] == ["ckpt-00000006.pt", "ckpt-00000004.pt"]
     whole = open(files[0], "rb").read()
-    for damaged in (whole[:-1000], whole[:-1000] + bytes(1000), whole[:200] + bytes([whole[200] ^ 1]) + whole[201:]):
+    for damaged in (whole[:-1000], whole[:-1000] + bytes(1000),
+                    whole[:200] + bytes([whole[200] ^ 1]) + whole[201:]):
         open(files[0], "wb").write(damaged)        # truncated, zero-filled tail, one flipped bit
-        with pytest.raises(UserError, match=r"ckpt-00000006.pt is unusable \(checksum mismatch.*ckpt-00000004.pt, "
-                                            r"with --init_from=resume_previous"):
+        with pytest.raises(UserError, match=r"ckpt-00000006.pt is unusable \(checksum mismatch.*"
+                                            r"ckpt-00000004.pt, with --init_from=resume_previous"):
             train.main(args(tmp_path, "--max_iters=6", "--init_from=resume", data=data))
     capsys.readouterr()
     train.main(args(tmp_path, "--max_iters=6", "--init_from=resume_previous", data=data))
@@ -203,11 +216,14 @@ def test_sample_grow_and_plan_clis(tmp_path):
     data = write_dataset(tmp_path / "data", vocab=300)     # 299 BPE ranks + <|endoftext|>: a real tokenizer
     train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--n_layer=2", data=data))
     ckpt = str(tmp_path / "out")                           # a run folder: its newest checkpoint
-    proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={ckpt}", "--max_new_tokens=20", "--prompt=To be"],
+    proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={ckpt}", "--max_new_tokens=20",
+                           "--prompt=To be"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("To be") and len(proc.stdout) > len("To be"), proc.stderr
+    assert (proc.returncode == 0 and proc.stdout.startswith("To be")
+            and len(proc.stdout) > len("To be")), proc.stderr
     grown = str(tmp_path / "grown.pt")
-    proc = subprocess.run([sys.executable, "grow.py", ckpt, "--add=2", "--init=zero", "--freeze", f"--out={grown}"],
+    proc = subprocess.run([sys.executable, "grow.py", ckpt, "--add=2", "--init=zero", "--freeze",
+                           f"--out={grown}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "from 2 to 4 layers" in proc.stdout, proc.stderr
     # upper placement of 2 new layers on 2 old ones: both above the top layer
@@ -215,9 +231,10 @@ def test_sample_grow_and_plan_clis(tmp_path):
     out2 = tmp_path / "from_grown"
     train.main(args(out2, "--max_iters=4", "--eval_interval=2", f"--init_from={grown}", data=data))
     assert final_state(out2)["model_args"]["n_layer"] == 4
-    proc = subprocess.run([sys.executable, "grow.py", "plan", "config/step_350m.py"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "plan.py", "config/step_350m.py"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "[13, 11]" in proc.stdout and "int8 + 8-bit AdamW" in proc.stdout, proc.stderr
+    assert (proc.returncode == 0 and "[13, 11]" in proc.stdout
+            and "int8 + 8-bit AdamW" in proc.stdout), proc.stderr
 
 
 # -- baselines and ablations in the same trainer -------------------------------------------------
@@ -225,11 +242,12 @@ def test_sample_grow_and_plan_clis(tmp_path):
 def test_relora_baseline_warm_start_then_everything_frozen_with_restarts(tmp_path, capsys):
     """stage_layers=[2, 0]: a full-rank warm start, then every layer frozen behind adapters, merged
     and restarted every relora_every steps with ReLoRA's partial optimizer reset."""
-    train.main(args(tmp_path, "--stage_layers=[2, 0]", "--max_iters=20", "--eval_interval=10", "--relora_every=4",
-                    "--relora_prune=0.99"))
+    train.main(args(tmp_path, "--stage_layers=[2, 0]", "--max_iters=20", "--eval_interval=10",
+                    "--relora_every=4", "--relora_prune=0.99"))
     out = capsys.readouterr().out
     assert "grew 0 layers" in out and "frozen layers [0, 1]" in out
-    assert [l.split("restart at step ")[1].split(":")[0] for l in out.splitlines() if "ReLoRA restart" in l] == ["14", "18"]
+    assert [line.split("restart at step ")[1].split(":")[0] for line in out.splitlines()
+            if "ReLoRA restart" in line] == ["14", "18"]
     ckpt = final_state(tmp_path)
     assert ckpt["model_args"]["frozen_layers"] == (0, 1) and ckpt["model_args"]["n_layer"] == 2
 
@@ -237,19 +255,19 @@ def test_relora_baseline_warm_start_then_everything_frozen_with_restarts(tmp_pat
 def test_partial_optimizer_reset_zeroes_the_smallest_moments():
     torch.manual_seed(0)
     model = GPT(tiny_config(n_layer=1, frozen_layers=(0,), lora_rank=4))
-    opt = train.build_optimizer(model, load_config([]), torch.device("cpu"))
+    opt = train.configure_optimizer(model, load_config([]), torch.device("cpu"))
     idx = torch.randint(0, 128, (2, 16))
     for _ in range(2):
         model(idx, idx)[1].backward()
         opt.step()
     a = model.layers[0].mlp.up.lora_a
     before = opt.state[a]["exp_avg_sq"].clone()
-    train.reset_adapter_state(model, opt, prune=0.75)
+    optim.reset_adapter_state(model, opt, prune=0.75)
     after = opt.state[a]["exp_avg_sq"]
     kept = after != 0
     assert abs(kept.float().mean().item() - 0.25) < 0.01 and torch.equal(after[kept], before[kept])
     assert before[kept].min() >= before[~kept].max()                  # by magnitude
-    train.reset_adapter_state(model, opt, prune=1.0)
+    optim.reset_adapter_state(model, opt, prune=1.0)
     assert a not in opt.state and model.wte.weight in opt.state        # only the adapters' state goes
 
 
@@ -270,7 +288,8 @@ def test_ablations_train_resume_exactly(tmp_path, extra):
 
 
 def test_galore_optimizer_runs_and_resumes(tmp_path):
-    pytest.importorskip("galore_torch", reason="optional: pip install galore-torch==1.0 (bench/reproduce.py's GaLore row)")
+    pytest.importorskip("galore_torch",
+                        reason="optional: pip install galore-torch==1.0 (bench/reproduce.py's GaLore row)")
     common = ["--n_layer=2", "--max_iters=12", "--eval_interval=4", "--optimizer=galore", "--galore_rank=8",
               "--galore_update_proj_gap=5"]
     a, b = straight_and_resumed(tmp_path, common, 6)
@@ -280,7 +299,7 @@ def test_galore_optimizer_runs_and_resumes(tmp_path):
 def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moments(tmp_path):
     """optimizer=adamw8bit (bitsandbytes, which runs on CPU): a STEP run across a growth equals the
     same run stopped after the growth and resumed, bitwise; the big tensors' moments are uint8 with
-    one fp32 absmax per 256 entries, the small ones fp32, as grow.adamw8bit_state_bytes counts."""
+    one fp32 absmax per 256 entries, the small ones fp32, as memory.adamw8bit_state_bytes counts."""
     pytest.importorskip("bitsandbytes", reason="optional: pip install bitsandbytes==0.50.2")
     common = ["--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4", "--optimizer=adamw8bit",
               "--n_embd=64", "--ffn_hidden=128"]   # the MLP's 8,192-element matrices get 8-bit moments
@@ -290,17 +309,19 @@ def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moment
     assert [m["loss"] for m in metrics(tmp_path / "a") if "loss" in m] == \
            [m["loss"] for m in metrics(tmp_path / "b") if "loss" in m]
     model = GPT.from_checkpoint(a, "a")
-    opt = train.build_optimizer(model, load_config(args(tmp_path / "a", *common, data=data)), torch.device("cpu"))
+    opt = train.configure_optimizer(model, load_config(args(tmp_path / "a", *common, data=data)),
+                                    torch.device("cpu"))
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.grad = torch.randn_like(p)
     opt.step()
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # the code books are shared
             for p in trainable for k, t in opt.state[p].items() if torch.is_tensor(t) and k != "step"}
-    assert sum(held.values()) == sum(map(grow.adamw8bit_state_bytes, (p.numel() for p in trainable))) + \
-           grow.ADAMW8BIT_CODEBOOKS
+    assert sum(held.values()) == sum(map(memory.adamw8bit_state_bytes, (p.numel() for p in trainable))) + \
+           memory.ADAMW8BIT_CODEBOOKS
     big = max(trainable, key=lambda p: p.numel())
-    assert opt.state[big]["state1"].dtype == torch.uint8 and opt.state[big]["absmax1"].numel() == -(-big.numel() // 256)
+    assert (opt.state[big]["state1"].dtype == torch.uint8
+            and opt.state[big]["absmax1"].numel() == -(-big.numel() // 256))
     with pytest.raises(UserError, match="optimizer='adamw8bit' state"):
         train.main(args(tmp_path / "b", *[c for c in common if "optimizer" not in c], "--max_iters=14",
                         "--init_from=resume", data=data))

@@ -1,10 +1,6 @@
-"""y = x @ (q * scale)^T + s * (x @ A^T) @ B^T  with q frozen int8, differentiable in x, A, B.
-
-The reference (the CPU path and the tests' oracle) dequantises the weight for each matmul into one
-transient temporary (q cast to the compute dtype, times the row scale), never saved for backward:
-on a CPU that is cheaper than scaling the output columns, and the saved state stays int8.
-
-The Triton path follows shared/research/kernel_anchors.md §9. Per layer and step:
+"""Triton kernels for the frozen linear of frozen_linear.py, y = x·(q·scale)ᵀ + s·(x·Aᵀ)·Bᵀ, and
+its backward. frozen_linear.py holds the same math in plain PyTorch: the CPU path and the oracle
+that tests/test_kernels.py compares these kernels with (in float64). Per layer and step:
 
   F1 _lora_down_kernel  S   = x·Aᵀ                               [M, r]  memory-bound, saved for B1
   F2 _fwd_kernel        y   = (x·Qᵀ)·diag(scale) + s·S·Bᵀ        [M, N]  main GEMM
@@ -12,54 +8,28 @@ The Triton path follows shared/research/kernel_anchors.md §9. Per layer and ste
   B3 _dx_kernel         dX  = (dY·diag(scale))·Q + s·dYB·A       [M, K]  main GEMM
 
 Q is dequantised tile by tile in registers inside the K-loop (q·scale rounded once to the compute
-dtype, the value the hybrid path's dequantised weight holds) and is never written to memory. All
-accumulation is fp32; every kernel is compiled for sm_90 and checked for spills, shared memory and
-serialised wgmma pipelines by bench/compile_kernels.py, on every CI run. choose_path() picks per
-shape between that fused path and a hybrid one (dequantise into a reused scratch buffer, cuBLAS for
-the two main GEMMs, F1/B1 for the low-rank side).
+dtype) and never written to memory. All accumulation is fp32. bench/compile_kernels.py compiles
+every kernel for sm_90 and checks spills, shared memory and serialised wgmma pipelines on every CI
+run. Two paths: "fused" (the kernels above) and "hybrid" (the weight dequantised into a reused
+scratch buffer, cuBLAS for the two main GEMMs, F1/B1 for the low-rank side); triton_path() picks.
 """
 import os
-from typing import Optional
 
 import torch
-
-import kernels
-from kernels.quant import dequantize_int8_triton
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no triton wheel (macOS, Windows): keep the module importable for the reference
+    HAS_TRITON = True
+except ImportError:  # no triton wheel (macOS, Windows): the module stays importable, the reference runs
     from types import SimpleNamespace
+    HAS_TRITON = False
     triton = SimpleNamespace(jit=lambda fn: fn, autotune=lambda *args, **kw: (lambda fn: fn),
                              Config=lambda *args, **kw: None)
     tl = SimpleNamespace(constexpr=None)
 
-
-def _weight(q, scale, dt):
-    # the one weight-sized temporary: q cast to the compute dtype, the row scale applied in place
-    # (N·K multiplies, against M·N for scaling the output: fewer whenever M > K)
-    w = q.to(dt)
-    return w.mul_(scale.to(dt)[:, None]) if scale is not None else w
-
-
-def _reference_forward(x, q, scale, lora_a, lora_b, lora_scale):
-    # x [M, K] in the compute dtype; q [N, K] int8 with scale [N] fp32, or a float weight with
-    # scale None (the bf16 store); A [r, K]; B [N, r]  ->  y [M, N], S = x·Aᵀ [M, r]
-    dt = x.dtype
-    s = x @ lora_a.to(dt).t()                                   # [M, r]
-    y = torch.addmm(s @ lora_b.to(dt).t(), x, _weight(q, scale, dt).t(), beta=lora_scale)   # [M, N]
-    return y, s
-
-
-def _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
-    dt = x.dtype
-    a, b = lora_a.to(dt), lora_b.to(dt)
-    dyb = dy @ b                                                # [M, r]
-    dx = torch.addmm(dyb @ a, dy, _weight(q, scale, dt), beta=lora_scale) if need_dx else None   # [M, K]
-    da = (dyb.t() @ x).mul_(lora_scale).to(lora_a.dtype)       # [r, K]
-    db = (dy.t() @ s).mul_(lora_scale).to(lora_b.dtype)        # [N, r]
-    return dx, da, db
+# Triton reads TRITON_INTERPRET when the kernels below are decorated: it must be set before import
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,7 +41,7 @@ def _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx)
 
 # Under the interpreter (or without CUDA) the autotuner cannot benchmark, so only the first config
 # of each list is used: keep it small enough for quick interpreted tests and valid on any GPU.
-_ONE_CONFIG = kernels.INTERPRET or not torch.cuda.is_available()
+_ONE_CONFIG = INTERPRET or not torch.cuda.is_available()
 
 
 def _configs(names, rows):
@@ -291,6 +261,18 @@ def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, 
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(tile_k[:, None] < K) & (tile_m[None, :] < M))
 
 
+@triton.jit
+def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0)
+    scale = tl.load(scale_ptr + rows, mask=rows < N, other=1.0)
+    w = q.to(tl.float32) * scale[:, None]               # fp32 product, rounded once, as in F2 and B3
+    tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
@@ -300,13 +282,22 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def dequantize(q, scale, dtype, out=None):
+    """(q int8 [N, K], scale [N]) -> q·scale [N, K] in `dtype`, into `out` if given."""
+    n, k = q.shape
+    out = _empty((n, k), dtype, q.device) if out is None else out
+    grid = (triton.cdiv(n, 16), triton.cdiv(k, 256))
+    _dequantize_kernel[grid](q, scale, out, n, k, BLOCK_N=16, BLOCK_K=256)
+    return out
+
+
 def _r_pad(r):
     return max(16, triton.next_power_of_2(r))
 
 
 def _dot_precision(dtype):
     # fp32 activations follow torch's own matmul setting: TF32 only where torch would use it too
-    if dtype == torch.float32 and (kernels.INTERPRET or not torch.backends.cuda.matmul.allow_tf32):
+    if dtype == torch.float32 and (INTERPRET or not torch.backends.cuda.matmul.allow_tf32):
         return "ieee"
     return "tf32"  # Triton's default; fp16/bf16 operands ignore it
 
@@ -386,29 +377,24 @@ def _dequantize_to_scratch(q, scale, dtype):
     if key not in _SCRATCH or _SCRATCH[key].numel() < q.numel():
         _SCRATCH[key] = _empty((q.numel(),), dtype, q.device)
     w = _SCRATCH[key][: q.numel()].view(q.shape)
-    return dequantize_int8_triton(q, scale, dtype, out=w)
+    return dequantize(q, scale, dtype, out=w)
 
 
 # ----------------------------------------------------------------------------------------------
-# Which path runs (kernel_anchors.md §9.4). PLACEHOLDER THRESHOLDS from the §8 cost model; they
-# need measuring with `python bench/kernels.py` on each GPU and updating here.
+# Which path runs, by the cost model of the two: dequantising to scratch costs ~1.5·(F/BW)/M of the
+# GEMM (F/BW ≈ 165 FLOP/B on an H200: 12% at M=2k, 3% at 8k), while public Triton int8 x bf16 main
+# loops reach 0.4-0.8x of cuBLAS; so large M goes hybrid. Small weights stay fused: there the extra
+# launches (dequantise, addmm) cost more than the GEMM efficiency gains. Not yet measured on a GPU.
 #
 #   tokens M  \  weight N·K      < HYBRID_MIN_WEIGHT       >= HYBRID_MIN_WEIGHT
 #   M <  HYBRID_MIN_TOKENS       fused                     fused
 #   M >= HYBRID_MIN_TOKENS       fused                     hybrid
-#
-# Dequantising to scratch costs ~1.5·(F/BW)/M of the GEMM (F/BW ≈ 165 FLOP/B on an H200: 12% at
-# M=2k, 3% at 8k), while public Triton int8 x bf16 main loops reach 0.4-0.8x of cuBLAS; so large
-# M goes hybrid unless bench shows the fused kernel >= 0.95x cuBLAS. Small weights stay fused:
-# there the extra launches (dequantise, addmm) cost more than the GEMM efficiency gains.
-# (A third path that recomputed S = x·Aᵀ inside F2's K-loop, saving F1's launch, was dropped: two
-# accumulators through the loop serialised the wgmma pipeline in every config on sm_90.)
 HYBRID_MIN_TOKENS = 2048
 HYBRID_MIN_WEIGHT = 2048 * 2048
 PATHS = ("fused", "hybrid")
 
 
-def choose_path(m, n, k, r):
+def triton_path(m, n, k, r):
     """The path for x [m, k] through q [n, k] at rank r; STEP_LORA_PATH=fused|hybrid overrides the
     rule (default auto)."""
     path = os.environ.get("STEP_LORA_PATH", "auto")
@@ -419,8 +405,16 @@ def choose_path(m, n, k, r):
     return "hybrid" if m >= HYBRID_MIN_TOKENS and n * k >= HYBRID_MIN_WEIGHT else "fused"
 
 
-def _triton_forward(x, q, scale, lora_a, lora_b, lora_scale, path):
-    # x [M, K] compute dtype, any strides; q [N, K] int8 contiguous; scale [N] fp32; A [r, K]; B [N, r]
+def forward(path, x, q, scale, lora_a, lora_b, lora_scale):
+    """frozen_linear.forward on the Triton path `path`: x [M, K] in the compute dtype, q [N, K]
+    int8, scale [N] fp32, A [r, K], B [N, r] -> (y [M, N], S = x·Aᵀ [M, r])."""
+    m, k = x.shape
+    n, r = q.shape[0], lora_a.shape[0]
+    # the kernels read raw memory, so a wrong shape would be silent garbage rather than an error
+    assert q.shape == (n, k) and scale.shape == (n,), f"q {tuple(q.shape)}, scale {tuple(scale.shape)}"
+    assert lora_a.shape == (r, k) and lora_b.shape == (n, r), \
+        f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit r={r}, N={n}, K={k}"
+    q, scale = q.contiguous(), scale.float().contiguous()
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
     if path == "hybrid":
@@ -430,7 +424,9 @@ def _triton_forward(x, q, scale, lora_a, lora_b, lora_scale, path):
     return _fused_forward(x, q, scale, a, b, lora_scale)
 
 
-def _triton_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx):
+def backward(path, dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
+    """frozen_linear.backward on the Triton path `path` -> (dX or None, dA, dB)."""
+    q, scale = q.contiguous(), scale.float().contiguous()
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
     dyb, da, db = _lora_backward(dy, x, b, s, _deterministic())
@@ -442,101 +438,3 @@ def _triton_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_
         else:
             dx = _fused_dx(dy, q, scale, a, dyb, lora_scale)
     return dx, (lora_scale * da).to(lora_a.dtype), (lora_scale * db).to(lora_b.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# The op: torch.library custom ops, so that torch.compile keeps every frozen linear in its graph
-# (it sees the fake below, never the launchers) and autograd saves only x and S. `path` is
-# "reference" or one of PATHS; the forward also returns S = x·Aᵀ for the backward.
-
-@torch.library.custom_op("step::frozen_lora_linear", mutates_args=())
-def _op(x: torch.Tensor, q: torch.Tensor, scale: Optional[torch.Tensor], lora_a: torch.Tensor,
-        lora_b: torch.Tensor, lora_scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.autocast(x.device.type, enabled=False):
-        if path == "reference":
-            return _reference_forward(x, q, scale, lora_a, lora_b, lora_scale)
-        return _triton_forward(x, q, scale, lora_a, lora_b, lora_scale, path)
-
-
-@_op.register_fake
-def _(x, q, scale, lora_a, lora_b, lora_scale, path):
-    return x.new_empty(x.shape[0], q.shape[0]), x.new_empty(x.shape[0], lora_a.shape[0])
-
-
-@torch.library.custom_op("step::frozen_lora_linear_backward", mutates_args=())
-def _op_backward(dy: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: Optional[torch.Tensor],
-                 lora_a: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, lora_scale: float, path: str,
-                 need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # -> dX (empty when not needed: an op cannot return None), dA, dB
-    with torch.autocast(x.device.type, enabled=False):
-        dy = dy.to(x.dtype)
-        if path == "reference":
-            dx, da, db = _reference_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx)
-        else:
-            dx, da, db = _triton_backward(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx)
-    return (dx if need_dx else x.new_empty(0)), da, db
-
-
-@_op_backward.register_fake
-def _(dy, x, q, scale, lora_a, lora_b, s, lora_scale, path, need_dx):
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), torch.empty_like(lora_a), torch.empty_like(lora_b)
-
-
-def _setup_context(ctx, inputs, output):
-    x, q, scale, lora_a, lora_b, lora_scale, path = inputs
-    ctx.save_for_backward(x, q, scale, lora_a, lora_b, output[1])
-    ctx.lora_scale, ctx.path = lora_scale, path
-
-
-def _backward(ctx, dy, _ds):
-    x, q, scale, lora_a, lora_b, s = ctx.saved_tensors
-    need_dx = ctx.needs_input_grad[0]
-    dx, da, db = _op_backward(dy, x, q, scale, lora_a, lora_b, s, ctx.lora_scale, ctx.path, need_dx)
-    return (dx if need_dx else None), None, None, da, db, None, None
-
-
-_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _apply(x, q, scale, lora_a, lora_b, lora_scale, path):
-    lead, k = x.shape[:-1], x.shape[-1]
-    y, _ = _op(x.reshape(-1, k), q, scale, lora_a, lora_b, float(lora_scale), path)
-    return y.reshape(*lead, q.shape[0])
-
-
-def frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale):
-    return _apply(x, q, scale, lora_a, lora_b, lora_scale, "reference")
-
-
-def frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale, path=None):
-    lead, k = x.shape[:-1], x.shape[-1]
-    n, r = q.shape[0], lora_a.shape[0]
-    # the kernels read raw memory, so a wrong shape would be silent garbage rather than an error
-    assert q.shape == (n, k) and scale.shape == (n,), f"q {tuple(q.shape)}, scale {tuple(scale.shape)}"
-    assert lora_a.shape == (r, k) and lora_b.shape == (n, r), \
-        f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit r={r}, N={n}, K={k}"
-    path = path or choose_path(x.numel() // k, n, k, r)
-    return _apply(x, q.contiguous(), scale.float().contiguous(), lora_a, lora_b, lora_scale, path)
-
-
-def _compute_dtype(x):
-    # autocast does not reach inside a custom op, so take its dtype here, explicitly
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def frozen_lora_linear(x, q, scale, lora_a, lora_b, lora_scale):
-    """x [..., K] -> y [..., N] for a frozen int8 weight q [N, K] (row scale [N]), or a float
-    weight with scale None, plus LoRA A [r, K], B [N, r] scaled by lora_scale. Gradients flow to
-    x, A and B, never to q."""
-    assert x.shape[-1] == q.shape[1], f"x has K={x.shape[-1]} but the weight has K={q.shape[1]}"
-    assert (q.dtype == torch.int8) == (scale is not None), f"an int8 weight needs its row scale; got {q.dtype}"
-    x = x.to(_compute_dtype(x))
-    # a bf16 store is a plain GEMM, which cuBLAS does best; without adapters (rank 0) there is
-    # nothing to fuse; fp32 activations where torch forbids TF32 would make the kernels' dots plain
-    # FMA, far slower than cuBLAS in fp32: all three take the reference path
-    fp32_ok = x.dtype != torch.float32 or kernels.INTERPRET or torch.backends.cuda.matmul.allow_tf32
-    if kernels.use_triton(x) and q.dtype == torch.int8 and lora_a.shape[0] > 0 and fp32_ok:
-        return frozen_lora_linear_triton(x, q, scale, lora_a, lora_b, lora_scale)
-    return frozen_lora_linear_reference(x, q, scale, lora_a, lora_b, lora_scale)

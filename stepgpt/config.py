@@ -1,0 +1,202 @@
+"""A run's configuration: every key with its default (TrainConfig), read from config files and
+--key=value overrides (load_config), each value checked once, before any work is done.
+
+The model's keys are GPTConfig's (model.py), which TrainConfig extends: each key is declared and
+checked in one place. A config file is plain Python assignments (`batch_size = 8`).
+"""
+import ast
+import math
+import os
+import re
+import types
+from dataclasses import MISSING, dataclass, field, fields
+
+import grow
+from model import GPTConfig
+from stepgpt.errors import UserError
+
+
+@dataclass
+class TrainConfig(GPTConfig):
+    # I/O
+    out_dir: str = "out"
+    data_dir: str = "data/shakespeare"  # train.bin, val.bin, meta.json (data/prepare.py)
+    init_from: str = "scratch"          # 'scratch', 'resume' (out_dir's newest ckpt-<iter>.pt),
+                                        # 'resume_previous' (the one before it), a checkpoint path
+                                        # (weights only) or 'hf:PATH' (stage 1 from a HF LLaMA folder)
+    eval_interval: int = 100
+    eval_iters: int = 20
+    log_interval: int = 10
+    keep_checkpoints: int = 2           # the newest k checkpoints stay in out_dir (ckpt-<iter>.pt)
+    eval_only: bool = False
+    dry_run: bool = False               # print the resolved config, model and stage plan, then exit
+    stop_at: int = 0                    # >0: save and stop at this iteration, as a preempted job would
+    sample_tokens: int = 200            # a sample written to out_dir/sample.txt at the end (0: none)
+    seed: int = 1337
+    # STEP stages (the model's keys are GPTConfig's; n_layer is the depth of a one-stage run)
+    stage_layers: list = field(default_factory=list)  # layers added per stage, e.g. [4, 4]; [] = one
+                                        # stage of n_layer; a later stage may add 0: it only freezes
+    target_layers: int = 0              # or plan: final depth L split into n_stages by Eq. 3
+    n_stages: int = 1
+    stage_tokens: list = field(default_factory=list)  # token budget per stage; [] = max_iters split
+    grow_at: float = 1.0                # a stage ends after this share of its budget (the paper: 0.75);
+                                        # the rest moves to the next stage
+    grow_init: str = "mean"             # mean | copy | zero | stack
+    grow_where: str = "upper"           # upper | intermediate | lower (thirds of the stack) | interleave
+                                        # | random
+    relora_every: int = 0               # >0: merge + restart adapters every this many iters of a stage
+    relora_prune: float = 1.0           # share of the adapters' AdamW moments zeroed (by magnitude) at
+                                        # a restart: 1 = reset them (STEP's default), ReLoRA's paper ~0.99
+    merge_rounding: str = "nearest"     # nearest | stochastic: how a merge re-quantises W + s*B*A
+    # optimisation
+    optimizer: str = "adamw"            # adamw (fp32 state) | adamw8bit (bitsandbytes: blockwise 8-bit
+                                        # moments) | galore (galore-torch: GaLore's AdamW on the layers)
+    galore_rank: int = 128
+    galore_update_proj_gap: int = 200
+    galore_scale: float = 0.25
+    batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    max_iters: int = 1000
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 50
+    stage_warmup_iters: int = 20        # re-warmup at each stage start and each ReLoRA restart
+    weight_decay: float = 0.1           # on trainable matrices (embeddings, head, new layers' linears)
+    lora_weight_decay: float = 0.0      # on LoRA A and B (LoRA and ReLoRA use none)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0              # 0: no clipping
+    # system: how the run executes, not what it computes (RUNTIME_KEYS)
+    device: str = "auto"                # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                 # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
+    compile: bool = True                # torch.compile on CUDA
+    compile_cpu: bool = False           # also on CPU (needs a C++ compiler): 12-18 % faster steps at
+                                        # step_small, after ~40 s of compiling at each stage
+    zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
+    sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
+
+    def __post_init__(self):
+        if self.frozen_layers:
+            raise UserError("frozen_layers is set by the stages, not by a config; remove it")
+        super().__post_init__()
+        for key in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
+                    "log_interval", "n_stages", "keep_checkpoints", "galore_rank", "galore_update_proj_gap"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key}={getattr(self, key)} must be >= 1")
+        for key in ("sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
+                    "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
+                    "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale"):
+            v, positive = getattr(self, key), key in ("learning_rate", "galore_scale")
+            if not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise UserError(f"{key}={v} must be a finite number {'> 0' if positive else '>= 0'}")
+        for key, options in CHOICES.items():
+            if getattr(self, key) not in options:
+                raise UserError(f"{key}={getattr(self, key)!r}: use one of {', '.join(options)}")
+        for key, lo, hi, what in (("beta1", 0, 1, "[0, 1), e.g. 0.9"), ("beta2", 0, 1, "[0, 1), e.g. 0.95"),
+                                  ("relora_prune", 0, 1.0000001, "[0, 1]"),
+                                  ("grow_at", 1e-12, 1.0000001, "(0, 1]: the share of a stage's budget")):
+            if not lo <= getattr(self, key) < hi:
+                raise UserError(f"{key}={getattr(self, key)} must be in {what}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise UserError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.optimizer == "adamw8bit" and (self.zero1 or self.relora_prune < 1):
+            raise UserError("optimizer=adamw8bit: its moments are 8-bit blocks, so ZeRO-1 cannot shard them "
+                            "and relora_prune cannot zero single entries; use zero1=False and "
+                            "relora_prune=1, or optimizer=adamw")
+        if self.optimizer == "galore" and self.zero1:
+            raise UserError("optimizer=galore does not shard its state: use zero1=False")
+        if self.min_lr > self.learning_rate:
+            raise UserError(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}; the cosine "
+                            f"decays down to min_lr")
+        if self.init_from not in ("scratch", "resume", "resume_previous") and \
+                not os.path.exists(self.init_from.removeprefix("hf:")):
+            raise UserError(f"init_from={self.init_from!r}: use 'scratch', 'resume', 'resume_previous', the "
+                            f"path of a checkpoint (a file, or a run folder for its newest) or hf:PATH (a "
+                            f"Hugging Face LLaMA folder)")
+        if any(not isinstance(t, int) or t < 1 for t in self.stage_tokens):
+            raise UserError(f"stage_tokens={self.stage_tokens}: every stage needs a positive whole number "
+                            f"of tokens")
+        if self.max_iters < 1 and not self.stage_tokens:
+            raise UserError("max_iters must be >= 1 (or give stage_tokens)")
+        self._check_stages()
+
+    def _check_stages(self):
+        layers = self.stage_layers
+        if layers and (any(not isinstance(n, int) or n < 0 for n in layers) or layers[0] < 1):
+            raise UserError(f"stage_layers={layers}: the first stage needs at least one layer, later ones "
+                            f"0 or more")
+        if layers and self.target_layers and sum(layers) != self.target_layers:
+            raise UserError(f"stage_layers={layers} sum to {sum(layers)}, not "
+                            f"target_layers={self.target_layers}; fix one of them")
+        if not layers and self.n_stages > 1 and not self.target_layers:
+            raise UserError("n_stages > 1 needs target_layers (planned) or stage_layers (explicit)")
+        if self.target_layers and not layers and self.n_stages > self.target_layers:
+            raise UserError(f"n_stages={self.n_stages} must be between 1 and "
+                            f"target_layers={self.target_layers}")
+        if self.stage_tokens and len(self.stage_tokens) != grow.stage_count(self):
+            raise UserError(f"stage_tokens has {len(self.stage_tokens)} entries for "
+                            f"{grow.stage_count(self)} stages")
+
+
+CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
+           "optimizer": ("adamw", "adamw8bit", "galore"), "grow_init": grow.INITS,
+           "grow_where": grow.PLACEMENTS}
+# keys a run may change when it resumes without changing what it computes
+RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
+                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every",
+                "activation_checkpointing", "loss_chunk"}
+# keys that fix the model and its stages: a checkpoint resumes only under the same values
+STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
+
+
+def _coerce(key, value, default):
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        seq = (list, tuple)
+        ok = type(value) is type(default) or (isinstance(default, seq) and isinstance(value, seq))
+    else:  # an int where a float is expected is fine (--learning_rate=1); a float for an int is not
+        ok = type(value) is type(default) or (type(default) is float and type(value) is int)
+    if not ok:
+        raise UserError(f"config key {key!r} wants a {type(default).__name__}, got {value!r}; "
+                        f"write it like {default!r}")
+    return float(value) if type(default) is float else list(value) if isinstance(default, list) else value
+
+
+def read_config_file(path):
+    """The assignments of a config file. It runs as plain Python with __file__ set, so a config can
+    build on another one next to it from any working directory; names starting with '_' and
+    imported modules are not keys."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} not found (see config/ for examples)")
+    scope = {"__file__": os.path.abspath(path)}
+    try:
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), scope)
+    except Exception as e:
+        raise UserError(f"config file {path} does not run: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in scope.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def load_config(argv):
+    """argv: config files (plain Python assignments) and --key=value overrides, applied in order."""
+    # the declared defaults (not TrainConfig()'s resolved values: ffn_hidden=0 must stay "chosen for you")
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                for f in fields(TrainConfig)}
+    values = dict(defaults)
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise UserError(f"override {arg!r} needs a value: write --key=value")
+            key, text = arg[2:].split("=", 1)   # split once: a value may contain '='
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text                    # a bare word is a string
+            updates = {key: value}
+        else:
+            updates = read_config_file(arg)
+        for key, value in updates.items():
+            if key not in values:
+                raise UserError(f"unknown config key {key!r}; every key is listed in TrainConfig "
+                                f"(stepgpt/config.py) and GPTConfig (model.py)")
+            values[key] = _coerce(key, value, defaults[key])
+    return TrainConfig(**values)

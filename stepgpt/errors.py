@@ -1,0 +1,15 @@
+"""Bad input ends a script with one line that names the problem and the fix, never a traceback."""
+import sys
+
+
+class UserError(Exception):
+    """Bad input from the user (a config, data, a checkpoint, an argument)."""
+
+
+def run_cli(main):
+    """main(argv) for a script: a UserError ends it with one line on stderr and exit status 2."""
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
