@@ -75,6 +75,6 @@ _op.register_autograd(_grads, setup_context=_save)
 def frozen_lora_linear(x, q, scale, a, b, s, path=None):
     """x [..., K] -> y [..., N]; gradients reach x, A and B. `path` forces one (tests, benchmarks)."""
     x = x.to(kernels.compute_dtype(x))        # autocast does not reach inside a custom op
-    path = path or kernels.choose_path(x, q, a)  # "reference" (the functions above) or Triton's
+    path = path or kernels.choose_path(x, q, scale, a, b, s, (forward, backward))
     y, _ = _op(x.reshape(-1, x.shape[-1]), q, scale, a, b, float(s), path)
     return y.reshape(*x.shape[:-1], q.shape[0])

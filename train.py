@@ -149,6 +149,18 @@ def setup(cfg):
         raise
 
 
+def precision(cfg, device):
+    """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (bench/train.py
+    times its steps the same way)."""
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype == "bfloat16" and device.type == "cpu":
+        raise UserError("dtype=bfloat16 autocast is for CUDA here; use --dtype=float32 on CPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    return dtype, autocast, cfg.compile and (device.type == "cuda" or cfg.compile_cpu)
+
+
 def _setup(cfg, ddp, rank, local, world, lock):
     name = cfg.device
     if name == "auto":
@@ -161,15 +173,11 @@ def _setup(cfg, ddp, rank, local, world, lock):
     if cfg.gradient_accumulation_steps % world:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a multiple "
                         f"of the world size {world} (each rank does an equal share)")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype == "bfloat16" and device.type == "cpu":
-        raise UserError("dtype=bfloat16 autocast is for CUDA here; use --dtype=float32 on CPU")
+    dtype, autocast, compiled = precision(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
 
     default_data = cfg.data_dir.rstrip("/") == "data/shakespeare"
     if default_data and not os.path.isfile(os.path.join(cfg.data_dir, "meta.json")):
@@ -186,8 +194,6 @@ def _setup(cfg, ddp, rank, local, world, lock):
     starts = [sum(stage_iters[:i]) for i in range(1, len(stage_iters))]
     every = cfg.relora_every
     relora = [s + k for s, n in zip(starts, stage_iters[1:]) for k in range(every, n, every)] if every else []
-    autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    compiled = cfg.compile and (device.type == "cuda" or cfg.compile_cpu)
     depth = [sum(stage_layers[:i + 1]) for i in range(len(stage_layers))]
     return Run(cfg, device, rank, world, dtype, autocast, compiled, data, meta, vocab_size, tokens_per_iter,
                stage_layers, stage_iters, depth, sorted(starts + relora), lock)
@@ -231,7 +237,7 @@ def build(run):
     opt = configure_optimizer(model, cfg, run.device)
     if run.resuming:
         opt.load_state_dict(ckpt["optimizer"])
-        runtime.restore_rng(ckpt, run.device)
+        runtime.restore(ckpt, run.device)
     run.log = runtime.Logger(cfg.out_dir, run.master, truncate_after=it if run.resuming else None)
     return model, opt, it, best_val
 
@@ -303,6 +309,8 @@ def wrap(run, raw):
     for the step only (each rank evaluates its share alone). Both must see each new parameter set.
     DDP does not re-broadcast buffers: the frozen int8 weights are identical on every rank by
     construction, and runtime.check_replicas verifies it."""
+    # before torch.compile fixes which path each frozen linear takes
+    runtime.measure_kernels(raw, run.device, run.dtype, run.cfg.batch_size * run.cfg.block_size)
     model = torch.compile(raw) if run.compiled else raw
     if run.world == 1:
         return model, model

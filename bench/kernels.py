@@ -5,7 +5,10 @@
     python bench/kernels.py --quick --out bench/kernels_gpu.md
 
 Providers, all with bf16 activations, timed forward, backward and forward+backward:
-  step:<path>   our Triton op on the named path (* marks the one the dispatch picks)
+  step:<path>   our Triton op on the named path (* marks the one the dispatch picks: it times
+                fused, hybrid and reference itself and prints its times first); the step:fused
+                row lists the configs the autotuner chose for F2 and B3 (tiles, int8 conversion,
+                warps and stages)
   reference     plain PyTorch (int8 -> bf16 cast, matmul, low-rank terms): STEP_KERNELS=reference
   bf16 frozen   F.linear with a frozen bf16 weight and no adapter: the speed ceiling
   bf16 trained  F.linear with a trained bf16 weight (dX and dW in the backward)
@@ -28,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import frozen_linear  # noqa: E402
 from model import quantize_int8  # noqa: E402
+from stepgpt import kernels  # noqa: E402
 from stepgpt.kernels import frozen_lora  # noqa: E402
 
 MODELS = {"350M": (1024, 2736), "1B": (2048, 5504)}        # hidden, FFN width, as config/step_*.py
@@ -85,6 +89,11 @@ def peak_mib(fn, dy, grads):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+def _config(c):
+    tiles = "x".join(str(v) for k, v in c.kwargs.items() if k.startswith("BLOCK"))
+    return f"{tiles} {c.kwargs.get('CONVERT', '')} {c.num_warps}w{c.num_stages}s"
+
+
 def bench_config(model, layer, n, k, m, r, paths, reverse):
     inputs = make_inputs(m, n, k, r)
     dy = inputs[-1]
@@ -104,13 +113,18 @@ def bench_config(model, layer, n, k, m, r, paths, reverse):
                 del y
             else:
                 times[name][mode] = do_bench(lambda fn=fn: fn().backward(dy), grads)
-    auto = frozen_lora.triton_path(m, n, k, r)
+    # the dispatch's own choice for this shape: it times the paths itself (and prints the times)
+    x, q, scale, a, b = inputs[:5]
+    auto = kernels.choose_path(x, q, scale, a, b, LORA_SCALE, (frozen_linear.forward, frozen_linear.backward))
+    tuned = {name: frozen_lora.AUTOTUNED[name].best_config for name in ("_fwd_kernel", "_dx_kernel")}
     rows = []
     for name, fn, grads, bwd_gemms in sorted(provs, key=lambda p: p[0]):
         gemm = 2 * m * n * k
         t = times[name]
         rows.append(dict(model=model, layer=layer, n=n, k=k, m=m, r=r,
-                         provider=name + ("*" if name == f"step:{auto}" else ""),
+                         provider=name + ("*" if name == f"step:{auto}" or name == auto else ""),
+                         configs=", ".join(f"{kernel[1:4]} {_config(c)}" for kernel, c in tuned.items())
+                         if name == "step:fused" else "",
                          fwd=t["fwd"], bwd=t["bwd"], full=t["f+b"],
                          tflops_fwd=gemm / t["fwd"][0] * 1e-9,
                          tflops_full=gemm * (1 + bwd_gemms) / t["f+b"][0] * 1e-9,
@@ -121,14 +135,14 @@ def bench_config(model, layer, n, k, m, r, paths, reverse):
 COLUMNS = [("model", 5, "{}"), ("layer", 8, "{}"), ("N", 5, "{}"), ("K", 5, "{}"), ("M", 6, "{}"),
            ("r", 3, "{}"), ("provider", 22, "{}"), ("fwd ms", 7, "{:.3f}"), ("bwd ms", 7, "{:.3f}"),
            ("f+b ms", 7, "{:.3f}"), ("f+b p20-p80", 13, "{}"), ("fwd TF/s", 8, "{:.0f}"),
-           ("f+b TF/s", 8, "{:.0f}"), ("peak MiB", 8, "{:.0f}")]
+           ("f+b TF/s", 8, "{:.0f}"), ("peak MiB", 8, "{:.0f}"), ("tuned configs", 44, "{}")]
 
 
 def cells(row):
     full = row["full"]
     values = [row["model"], row["layer"], row["n"], row["k"], row["m"], row["r"], row["provider"],
               row["fwd"][0], row["bwd"][0], full[0], f"{full[1]:.3f}-{full[2]:.3f}",
-              row["tflops_fwd"], row["tflops_full"], row["peak"]]
+              row["tflops_fwd"], row["tflops_full"], row["peak"], row["configs"]]
     return [fmt.format(v) for (_, _, fmt), v in zip(COLUMNS, values)]
 
 
@@ -163,10 +177,11 @@ def target_lines(rows):
             steps = [row for name, row in at.items() if name.startswith("step:")]
             if not steps:
                 continue
-            ref, ceiling = at["reference"], at["bf16 frozen"]
-            chosen = next(row for row in steps if row["provider"].endswith("*"))
+            ref = next(row for name, row in at.items() if name.startswith("reference"))
+            ceiling = at["bf16 frozen"]
+            chosen = [row for row in steps if row["provider"].endswith("*")]   # none: the reference won
             fastest = min(steps, key=lambda row: row["full"][0])
-            for row in [chosen] if fastest is chosen else [chosen, fastest]:
+            for row in chosen + ([] if fastest in chosen else [fastest]):
                 where = f"{model} {layer} {row['provider']}"
                 if model == "1B":
                     ratio = row["full"][0] / ceiling["full"][0]
@@ -203,7 +218,8 @@ def run_gpu(args):
     print("\n".join(["", "targets:"] + targets))
     legend = ("TFLOP/s counts the dense GEMMs only (2·M·N·K each: one forward; one backward, two for "
               "bf16 trained); medians of triton.testing.do_bench, p20-p80 for f+b. "
-              "* = the path the dispatch picks for that shape.")
+              "* = the path the dispatch picks for that shape (it may be the reference); tuned configs: "
+              "the autotuner's F2 and B3 picks (tiles, int8 conversion, warps, stages).")
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# bench/kernels.py\n\n{header}\n\n{legend}\n\n{markdown_table(rows)}\n\n"

@@ -47,9 +47,9 @@ MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--
          "adamw8bit": ["--optimizer=adamw8bit"]}   # needs bitsandbytes
 
 
-def run_args(config, name):
-    """train.py overrides that make `config` the run `name` of RUNS."""
-    depth = grow.final_depth(load_config([config]))
+def run_args(config, name, extra=()):
+    """train.py overrides that make `config` (with the overrides `extra`) the run `name` of RUNS."""
+    depth = grow.final_depth(load_config([config, *extra]))
     if name == "vanilla":   # measure() sets each stage's tokens
         return [f"--stage_layers=[{depth}]", "--stage_tokens=[]"]
     return ["--stage_layers=[]", f"--target_layers={depth}", f"--n_stages={name.removeprefix('step')}",
@@ -156,13 +156,13 @@ def meta_table(configs):
         print("(no adamw8bit rows: pip install bitsandbytes==0.50.2)")
 
 
-def predict(cfg, row):
+def predict(cfg, row, device):
     return memory.step_peak_bytes(
         grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size),
         row["n_trainable"], row["n_frozen"], row["tokens"],
         train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
         checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
-        optimizer=cfg.optimizer)
+        optimizer=cfg.optimizer, dtype="bfloat16" if device == "cuda" else "float32")
 
 
 def main(argv):
@@ -193,7 +193,7 @@ def main(argv):
     vanilla = {}
     for mode in modes:
         for name in runs:
-            args = [a.config, *run_args(a.config, name), *MODES[mode], *extra]
+            args = [a.config, *run_args(a.config, name, extra), *MODES[mode], *extra]
             cfg = load_config(args)
             cfg = replace(cfg, vocab_size=memory.data_vocab(cfg)[0])
             rows = measure(args, a.device)
@@ -205,7 +205,7 @@ def main(argv):
                 state = memory.state_bytes(mc, r["n_trainable"], r["n_frozen"],
                                            train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0,
                                            optimizer=cfg.optimizer)
-                planned = predict(cfg, r) if r["phase"] == "step" else None
+                planned = predict(cfg, r, a.device) if r["phase"] == "step" else None
                 err = f"{(r['peak'] - planned) / planned:+.1%}" if planned else "-"
                 print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | "
                       f"{r['n_trainable']} + {r['n_frozen']} | {mib(state)} | "

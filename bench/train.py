@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import grow  # noqa: E402
-from stepgpt import memory  # noqa: E402
-from stepgpt.config import load_config  # noqa: E402
+import train  # noqa: E402
 from model import GPT  # noqa: E402
-from train import configure_optimizer  # noqa: E402
+from stepgpt import memory, runtime  # noqa: E402
+from stepgpt.config import load_config  # noqa: E402
 
 
 def build(tcfg, n_layer, n_frozen, vocab, block, device):
@@ -34,11 +34,12 @@ def build(tcfg, n_layer, n_frozen, vocab, block, device):
     cfg.block_size, cfg.frozen_layers = block, tuple(range(n_frozen))
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    return model, configure_optimizer(model, tcfg, device)
+    return model, train.configure_optimizer(model, tcfg, device)
 
 
-def step(model, opt, x, y):
-    loss = model(x, y)[1]   # not a name for the logits: they would live through the step
+def step(model, opt, x, y, autocast):
+    with autocast:
+        loss = model(x, y)[1]   # not a name for the logits: they would live through the step
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -59,11 +60,11 @@ def main(argv=None):
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="steps per window")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="torch.compile both models")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train.py override, e.g. --set device=cpu or --set compile=False (repeatable)")
     args = p.parse_args(argv)
 
-    tcfg = load_config([args.config])
+    tcfg = load_config([args.config] + [f"--{s}" for s in args.set])
     n_layer = args.layers or grow.final_depth(tcfg)
     if args.frozen:
         n_frozen = args.frozen
@@ -75,12 +76,16 @@ def main(argv=None):
         sys.exit(f"bench/train.py: --frozen {n_frozen} must be between 1 and {n_layer - 1}")
     vocab = args.vocab or memory.data_vocab(tcfg)[0]
     batch, block = args.batch or tcfg.batch_size, args.block or tcfg.block_size
-    device = torch.device(args.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(tcfg.device if tcfg.device != "auto" else auto)
+    # as train.py runs: its precision (bf16 autocast on CUDA), TF32, compile, and kernel paths
+    dtype, autocast, compiled = train.precision(tcfg, device)
 
     runs = {}
     for name, frozen in (("vanilla", 0), (f"STEP, {n_frozen} of {n_layer} frozen", n_frozen)):
         model, opt = build(tcfg, n_layer, frozen, vocab, block, device)
-        fn = torch.compile(model) if args.compile else model
+        runtime.measure_kernels(model, device, dtype, batch * block)
+        fn = torch.compile(model) if compiled else model
         runs[name] = dict(model=model, fn=fn, opt=opt, times=[], flops=model.estimate_flops())
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, block), generator=g).to(device)
@@ -89,20 +94,20 @@ def main(argv=None):
 
     for run in runs.values():
         for _ in range(args.warmup):
-            step(run["fn"], run["opt"], x, y)
+            step(run["fn"], run["opt"], x, y, autocast)
     for w in range(args.windows):
         for name in (list(runs) if w % 2 == 0 else list(runs)[::-1]):   # alternate who goes first
             run = runs[name]
             sync()
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                step(run["fn"], run["opt"], x, y)
+                step(run["fn"], run["opt"], x, y, autocast)
             sync()
             run["times"].append((time.perf_counter() - t0) / args.steps)
 
     c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
     print(f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; "
-          f"batch {batch} x {block} tokens; {device.type}{' (compiled)' if args.compile else ''}, "
+          f"batch {batch} x {block} tokens; {device.type}, {dtype}{', compiled' if compiled else ''}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.windows} windows of "
           f"{args.steps} steps after {args.warmup} warm-up")
     print(f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | "

@@ -71,11 +71,11 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
     return grow.state_bytes(*args, per_trainable=0) + moments + books
 
 
-def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, loss_chunk=0):
+def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, loss_chunk=0,
+                     dtype="float32"):
     """What autograd holds for the backward of a micro-batch of `tokens` tokens through n_trainable
-    trainable and n_frozen frozen layers, at the start of
-    the backward (the step's peak when activations dominate), in fp32 (CPU, or dtype=float32; bf16
-    autocast saves other tensors: measured on CUDA, not modelled). Per token, in elements:
+    trainable and n_frozen frozen layers, at the start of the backward (the step's peak when
+    activations dominate). dtype "float32" (CPU, or dtype=float32), per token, in elements:
       a layer: 11C + 4F: each RMSNorm its input, input * rstd and output (3C, twice); q and k after
         RoPE, v, the SDPA output and its (T, C) copy for the o projection (5C); SwiGLU's gate,
         silu(gate), up and their product (4F); a frozen layer adds x A^T of its seven linears (7r);
@@ -86,33 +86,51 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     (fitted to the allocator at C in {192, 384}, F in {512, 1024}, within 2 %: 13C + 4F, the
     activations and two gradients, fell 10-18 % short where the chunked loss stopped hiding it).
     loss_chunk holds 4V (the recomputed logits too) for loss_chunk tokens instead of 3V for all.
-    tests/test_grow.py checks this against the allocator within 10 %."""
+    tests/test_grow.py checks this against the allocator within 10 %.
+    dtype "bfloat16" (bf16 autocast on CUDA), per token, in bytes: the residual stream stays fp32
+    (each norm's input, 4C twice); every linear saves its own bf16 copy of its input (q, k, v: 6C;
+    gate, up: 4C); q and k before RoPE and after, and v (10C); the SDPA output and its copy for o
+    (4C); SwiGLU's four bf16 tensors (8F); a frozen layer's x A^T (7 x 2r). The head: the final
+    norm and the lm_head's input copy (6C), the fp32 log-softmax, its gradient and the logits'
+    gradient in fp32 and bf16 (14V). Checkpointing keeps each layer's fp32 input (4C) and, at the
+    recomputed layer, its activations and their gradients (44C + 16F). Derived from what each op
+    saves, not fitted: bench/memory.py --device cuda measures it (bench/RESULTS.md)."""
     C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
-    layer = 11 * C + 4 * F
-    head = 3 * C + (4 * V * min(loss_chunk, tokens) / tokens if loss_chunk else 3 * V)
-    if checkpointing:
-        per_token = (n_trainable + n_frozen) * C + max(head, 10.5 * C + 7.5 * F + 7 * r * (n_frozen > 0))
+    layers, share = n_trainable + n_frozen, min(loss_chunk, tokens) / tokens if loss_chunk else 1
+    if dtype == "float32":
+        layer, frozen, head, kept = 4 * (11 * C + 4 * F), 4 * 7 * r, 4 * 3 * C, 4 * C
+        redo = 4 * (10.5 * C + 7.5 * F)
+        loss = 4 * (4 * V * share if loss_chunk else 3 * V)
     else:
-        per_token = (n_trainable + n_frozen) * layer + n_frozen * 7 * r + head
-    return int(4 * tokens * per_token)
+        layer, frozen, head, kept, redo = 32 * C + 8 * F, 2 * 7 * r, 6 * C, 4 * C, 44 * C + 16 * F
+        loss = 16 * V * share if loss_chunk else 14 * V
+    if checkpointing:
+        per_token = layers * kept + max(head + loss, redo + frozen * (n_frozen > 0))
+    else:
+        per_token = layers * layer + n_frozen * frozen + head + loss
+    return int(tokens * per_token)
 
 
 def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, checkpointing=False,
-                    loss_chunk=0, optimizer="adamw", zero_world=1):
-    """The peak of one training step in our fp32 accounting, the larger of: the model state
-    without the gradients (set to None after every step; they appear as the backward runs and its
-    saved tensors go) plus the activations at the start of the backward; the full state at the
-    optimizer step plus the optimizer's temporaries. foreach AdamW's: the square root of the second
-    moments, at most the trainable parameters' size (measured 3/4 of it at step_small, so this side
-    over-predicts). bitsandbytes' AdamW8bit on CPU works one tensor at a time in fp32: both moments
-    dequantised, the gradient, the square root and the denominator, 5 copies of the largest tensor
-    (its CUDA kernel updates in place, so there this side over-predicts). With zero_world > 1: per
-    rank under ZeRO-1 (each rank steps its share; the gradients are whole on every rank)."""
+                    loss_chunk=0, optimizer="adamw", zero_world=1, dtype="float32"):
+    """The peak of one training step, the larger of: the model state without the gradients (set to
+    None after every step; they appear as the backward runs and its saved tensors go) plus the
+    activations at the start of the backward; the full state at the optimizer step plus the
+    optimizer's temporaries. foreach AdamW's: the square root of the second moments, at most the
+    trainable parameters' size (measured 3/4 of it at step_small, so this side over-predicts).
+    bitsandbytes' AdamW8bit on CPU works one tensor at a time in fp32: both moments dequantised, the
+    gradient, the square root and the denominator, 5 copies of the largest tensor (its CUDA kernel
+    updates in place, so there this side over-predicts). With zero_world > 1: per rank under ZeRO-1
+    (each rank steps its share; the gradients are whole on every rank). dtype "bfloat16" (bf16
+    autocast): bf16 activations (activation_bytes), and autocast's bf16 copies of the trainable
+    linears' weights and of the head's, which the backward holds (2 B each)."""
     state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, optimizer=optimizer,
                         zero_world=zero_world)
     sizes = trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings)
     grads = 4 * sum(sizes)
-    act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk)
+    act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk, dtype)
+    if dtype == "bfloat16":
+        act += 2 * (n_trainable * grow.layer_counts(cfg)[0] + cfg.vocab_size * cfg.n_embd)
     temp = 5 * 4 * max(sizes) if optimizer == "adamw8bit" else grads / zero_world
     return int(max(state - grads + act, state + temp))
 

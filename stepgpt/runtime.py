@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import frozen_linear
 import grow
-from model import GPTConfig, merge_quality
+from model import FrozenLoRALinear, GPTConfig, merge_quality
 from stepgpt import kernels, memory, optim
 from stepgpt.checkpoint import checkpoint_path, save_checkpoint
 from stepgpt.config import RUNTIME_KEYS, STAGE_KEYS
@@ -71,6 +72,7 @@ def save(run, model, opt, it, best_val):
         save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
             "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
             "iter_num": it, "best_val_loss": best_val, "config": asdict(run.cfg), "meta": run.meta,
+            "kernels": kernels.state(),
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                     "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}},
@@ -98,12 +100,30 @@ def check_resume(path, ckpt, cfg):
     return [k for k, v in asdict(cfg).items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
 
 
-def restore_rng(ckpt, device):
+def restore(ckpt, device):
+    """What a resumed run takes back besides the model and optimizer: the RNG states, and the
+    kernels' measured paths and tuned configs (so it computes the same way)."""
+    kernels.load_state(ckpt.get("kernels", {}))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
     np.random.set_state(ckpt["rng"]["numpy"])
     random.setstate(ckpt["rng"]["python"])
+
+
+def measure_kernels(model, device, dtype, tokens):
+    """On CUDA, time the paths of every frozen-linear shape that a micro-batch of `tokens` tokens in
+    `dtype` takes and that is not measured yet (kernels.measure, on the layer's own weights;
+    collective under DDP)."""
+    if device.type != "cuda":
+        return
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    for m in model.modules():
+        if isinstance(m, FrozenLoRALinear):
+            x = torch.randn(tokens, m.in_features, dtype=dt, device=device)
+            with torch.enable_grad():   # as a training call: measured if it may run Triton
+                kernels.choose_path(x, m.weight_q, m.weight_scale, m.lora_a, m.lora_b, m.lora_scale,
+                                    (frozen_linear.forward, frozen_linear.backward))
 
 
 def check_replicas(run, model, when):

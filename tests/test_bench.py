@@ -119,3 +119,35 @@ def test_train_step_time_bench_as_the_readme_runs_it():
     wide = run("bench/train.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8",
                "--vocab", "256", "--windows", "1", "--steps", "1", "--warmup", "0")
     assert "n_embd 1024, ffn 2736, lora rank 64, vocab 256; batch 1 x 8 tokens" in wide
+
+
+def test_gpu_check_smoke_runs_every_command(tmp_path):
+    """bench/gpu_check.sh with SMOKE=1: each of its commands at tiny sizes on the CPU, so that a
+    command that would fail on a lent GPU fails here first."""
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env=env)
+    log = (tmp_path / "gpu_check.log").read_text()
+    steps = [line for line in log.splitlines() if line.startswith("=== ") and ": rc=" in line]
+    assert len(steps) == 6 and all(": rc=0 " in line for line in steps), \
+        "\n".join(steps) + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "all steps passed" in log
+
+
+def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):
+    """bench/train.py takes train.py's precision, TF32 and compile settings; with the interpreter
+    standing in for the GPU, the frozen layers run the Triton kernels inside the timed steps (no
+    warm-up: every step is timed)."""
+    import importlib.util
+    from stepgpt import kernels
+    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, "bench", "train.py"))
+    bench_train = importlib.util.module_from_spec(spec)   # bench/train.py, beside the trainer train.py
+    spec.loader.exec_module(bench_train)
+    monkeypatch.setenv("STEP_KERNELS", "triton")
+    calls = []
+    forward = kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda *a: calls.append(a[0]) or forward(*a))
+    bench_train.main(["--layers", "2", "--batch", "2", "--block", "16", "--windows", "1", "--steps", "1",
+                      "--warmup", "0", "--set", "device=cpu"])
+    assert calls and set(calls) <= set(kernels.PATHS)
+    assert "cpu, float32, torch" in capsys.readouterr().out

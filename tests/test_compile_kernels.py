@@ -33,7 +33,7 @@ def test_a_config_over_the_shared_memory_limit_fails_the_check():
         sys.path.insert(0, "bench")
         import compile_kernels
         from stepgpt.kernels import frozen_lora
-        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8),
+        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8, CONVERT="direct"),
                              num_stages=4, num_warps=8)
         frozen_lora._FWD_CONFIGS[:] = [huge]
         sys.exit(compile_kernels.main(sys.argv[1:]))
@@ -41,4 +41,4 @@ def test_a_config_over_the_shared_memory_limit_fails_the_check():
     run = _run(["--shapes", "350m", "--dtypes", "bf16", "--kernels", "_fwd_kernel", "--jobs", "1"], code)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "3 launches with no config that fits" in run.stdout and "753,664!" in run.stdout   # attn, up, down
-    assert "target missed: _fwd_kernel 256x256x256, 4, 8" in run.stdout
+    assert "target missed: _fwd_kernel 256x256x256 direct, 4, 8" in run.stdout

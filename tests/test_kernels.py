@@ -2,8 +2,16 @@
 against float64 autograd on the same q and scale, and the dequantisation against PyTorch (exact).
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py); with CUDA the same
-tests compile them for real, and the `gpu` tests add bf16 and full autotuning.
+tests compile them for real (fp32 as tf32, as train.py runs it), and the `gpu` tests add bf16 and
+full autotuning. The `dispatch` fixture runs the fp32 tests twice on CPU: as the interpreter
+dispatches, and taking CUDA's decisions (STEP_DISPATCH=cuda: fp32 only with TF32 allowed).
 """
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -14,24 +22,42 @@ from stepgpt.kernels import frozen_lora
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# max |out - oracle| / max |oracle|
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-AUTOTUNED = ("_fwd_kernel", "_dx_kernel", "_lora_down_kernel", "_lora_bwd_kernel")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# max |out - oracle| / max |oracle|; fp32 dots on a GPU run as tf32 (10-bit mantissa)
+TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(request, monkeypatch):
     torch.manual_seed(0)
-    for name in ("STEP_LORA_PATH", "STEP_DETERMINISTIC"):
+    for name in ("STEP_LORA_PATH", "STEP_DISPATCH"):
         monkeypatch.delenv(name, raising=False)
-    if DEVICE == "cuda" and request.node.get_closest_marker("gpu") is None:
-        # with CUDA every test compiles for real; tuning every small shape would take many
-        # minutes, so only the `gpu` tests run the full config sets
-        for name in AUTOTUNED:
-            kernel = getattr(frozen_lora, name)
-            monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
+    # the path choice is its own test's business: here the paths are timed by a fixed table, never run
+    monkeypatch.setattr(kernels, "CHOICES", {})
+    fixed = {"fused": 1.0, "hybrid": 2.0, "reference": 3.0}
+    monkeypatch.setattr(kernels, "TIMER", lambda path, fn: fixed[path])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    if DEVICE == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True   # train.py's setting
+        if request.node.get_closest_marker("gpu") is None:
+            # with CUDA every test compiles for real; tuning every small shape would take many
+            # minutes, so only the `gpu` tests run the full config sets
+            for kernel in frozen_lora.AUTOTUNED.values():
+                monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32   # (monkeypatch cannot restore this attribute)
+
+
+@pytest.fixture(params=["native", "cuda"])
+def dispatch(request, monkeypatch):
+    """On CPU, run a test as the interpreter dispatches and as CUDA would (STEP_DISPATCH=cuda, TF32
+    allowed as train.py allows it); with CUDA, as it is."""
+    if request.param == "cuda" and DEVICE == "cpu":
+        monkeypatch.setenv("STEP_DISPATCH", "cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True   # _clean_env restores it
+    elif request.param == "cuda":
+        pytest.skip("on a GPU the native dispatch is CUDA's")
+    return request.param
 
 
 @pytest.fixture
@@ -123,18 +149,33 @@ def _run_and_check(lead, n, k, r, dtype, strided=False, lora_scale=2.0):
 SHAPES = [((37,), 45, 29, 8), ((70,), 33, 81, 24), ((3, 13), 40, 56, 128), ((150,), 140, 200, 16)]
 
 
+@pytest.fixture(params=["direct", "fp32"])
+def convert(request, monkeypatch):
+    """The main GEMMs' two ways of turning the int8 tile into an MMA operand (the autotuner picks
+    one per shape on a GPU): each test runs with both, in the first config of each list."""
+    import triton
+    for name in ("_fwd_kernel", "_dx_kernel"):
+        kernel = frozen_lora.AUTOTUNED[name]
+        first = kernel.configs[0]
+        monkeypatch.setattr(kernel, "configs", [triton.Config(dict(first.kwargs, CONVERT=request.param),
+                                                              num_warps=first.num_warps,
+                                                              num_stages=first.num_stages)])
+    return request.param
+
+
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("lead,n,k,r", SHAPES)
-def test_frozen_lora_triton_matches_float64(triton_only, monkeypatch, lead, n, k, r, dtype, path):
+def test_frozen_lora_triton_matches_float64(triton_only, dispatch, convert, monkeypatch, lead, n, k, r, dtype,
+                                            path):
     monkeypatch.setenv("STEP_LORA_PATH", path)
     _run_and_check(lead, n, k, r, dtype, strided=(r % 16 == 8))   # two of the four shapes strided
 
 
 # 16- and 32-wide tiles put many tiles, GROUP_M groups and K-steps into a small problem
 _TINY_CONFIGS = {
-    "_fwd_kernel": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2),
-    "_dx_kernel": dict(BLOCK_M=32, BLOCK_K=16, BLOCK_N=16, GROUP_M=2),
+    "_fwd_kernel": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, CONVERT="direct"),
+    "_dx_kernel": dict(BLOCK_M=32, BLOCK_K=16, BLOCK_N=16, GROUP_M=2, CONVERT="direct"),
     "_lora_down_kernel": dict(BLOCK_M=16, BLOCK_K=16),
     "_lora_bwd_kernel": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16),
 }
@@ -159,8 +200,7 @@ def test_frozen_lora_triton_small_tiles(triton_only, tiny_tiles, monkeypatch, pa
 @pytest.fixture
 def program_order(monkeypatch):
     """Makes the interpreter run a kernel's programs in a shuffled order, as a GPU may: set
-    `order.seed` to choose the permutation (None: the interpreter's own sequential order). Without
-    it the interpreter's atomics always add up in the same order and no test could see nondeterminism."""
+    `order.seed` to choose the permutation (None: the interpreter's own sequential order)."""
     if not kernels.INTERPRET:
         pytest.skip("reorders the Triton interpreter's programs")
     from triton.runtime import interpreter
@@ -179,36 +219,23 @@ def program_order(monkeypatch):
 
 
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
-def test_deterministic_mode_is_bit_identical_in_any_program_order(triton_only, tiny_tiles, program_order,
-                                                                   monkeypatch, path):
-    # 10 row blocks: the default mode adds them into dA and dB atomically, in whatever order the
-    # programs run; the deterministic mode gives each program its own slice and sums them in order
+def test_lora_backward_is_bit_identical_in_any_program_order_and_grid_size(triton_only, tiny_tiles,
+                                                                            program_order, monkeypatch, path):
+    # 10 row blocks in 3 slices: each slice's partial sums belong to it alone and are added up in a
+    # fixed order, so neither the order the programs run in nor how many there are (a GPU's
+    # multiprocessor count) changes a bit of dA or dB; each result is within tolerance of float64
     monkeypatch.setenv("STEP_LORA_PATH", path)
+    monkeypatch.setattr(frozen_lora, "MAX_SLICES", 3)
 
-    def grads(deterministic, seed):
-        monkeypatch.setenv("STEP_DETERMINISTIC", "1" if deterministic else "0")
+    def grads(seed, programs):
+        monkeypatch.setattr(frozen_lora, "CPU_PROGRAMS", programs)
         program_order.seed = seed
         torch.manual_seed(1)
         return _run_and_check((150,), 45, 70, 16, torch.float32)
 
-    # the control: with atomics, another program order changes dA or dB in the last bits
-    plain = [grads(False, seed) for seed in (None, 1, 2)]
-    assert any(not torch.equal(plain[0][i], other[i]) for other in plain[1:] for i in (2, 3))
-    first = grads(True, None)
-    for seed in (1, 2):
-        assert all(torch.equal(u, v) for u, v in zip(first, grads(True, seed)))
-
-
-def test_deterministic_flag_sources(monkeypatch):
-    assert not frozen_lora._deterministic()
-    monkeypatch.setenv("STEP_DETERMINISTIC", "1")
-    assert frozen_lora._deterministic()
-    monkeypatch.delenv("STEP_DETERMINISTIC")
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert frozen_lora._deterministic()
-    finally:
-        torch.use_deterministic_algorithms(False)
+    first = grads(None, 3)
+    for seed, programs in ((1, 3), (2, 3), (3, 2), (4, 1)):
+        assert all(torch.equal(u, v) for u, v in zip(first, grads(seed, programs)))
 
 
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
@@ -275,16 +302,105 @@ def test_reference_gradcheck():
     assert torch.autograd.gradcheck(fn, (x, a, b))
 
 
-def test_choose_path_rule_and_override(monkeypatch):
-    big = (frozen_lora.HYBRID_MIN_TOKENS, 2048, 2048)
-    assert frozen_lora.triton_path(*big, 16) == "hybrid"
-    assert frozen_lora.triton_path(1024, 2048, 2048, 16) == "fused"
-    assert frozen_lora.triton_path(8192, 1024, 1024, 16) == "fused"
-    monkeypatch.setenv("STEP_LORA_PATH", "fused")
-    assert frozen_lora.triton_path(*big, 16) == "fused"
+def test_static_rule_and_forced_paths(monkeypatch):
+    assert kernels.static_path(kernels.HYBRID_MIN_TOKENS, 2048, 2048) == "hybrid"
+    assert kernels.static_path(1024, 2048, 2048) == "fused"
+    assert kernels.static_path(8192, 1024, 1024) == "fused"
+    monkeypatch.setenv("STEP_KERNELS", "triton")
+    x, q, scale, a, b = _op_inputs("int8")
+    for forced in ("fused", "hybrid", "reference"):
+        monkeypatch.setenv("STEP_LORA_PATH", forced)
+        assert kernels.choose_path(x, q, scale, a, b, 2.0, None) == forced
     monkeypatch.setenv("STEP_LORA_PATH", "cublas")
-    with pytest.raises(ValueError):
-        frozen_lora.triton_path(*big, 16)
+    with pytest.raises(ValueError, match="STEP_LORA_PATH='cublas'"):
+        kernels.choose_path(x, q, scale, a, b, 2.0, None)
+
+
+def test_cuda_dispatch_sends_fp32_to_the_reference_unless_tf32_is_allowed(monkeypatch):
+    monkeypatch.setenv("STEP_KERNELS", "triton")
+    monkeypatch.setenv("STEP_DISPATCH", "cuda")
+    x, q, scale, a, b = _op_inputs("int8")
+    torch.backends.cuda.matmul.allow_tf32 = False   # _clean_env restores it
+    assert kernels.choose_path(x, q, scale, a, b, 2.0, None) == "reference"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert kernels.choose_path(x, q, scale, a, b, 2.0, None) != "reference"
+
+
+def test_measured_dispatch_chooses_the_fastest_once_and_a_resume_reuses_it(triton_only, monkeypatch):
+    """An injected timer stands in for CUDA events: the first training call of a shape times every
+    path (without running it here), keeps the fastest, and later calls, inference included, reuse
+    it; sampling-sized calls and unmeasured inference calls never time; state() and load_state()
+    carry the choice into a resumed run."""
+    timed = []
+    fake = {"fused": 3e-3, "hybrid": 1e-3, "reference": 2e-3}
+    monkeypatch.setattr(kernels, "TIMER", lambda path, fn: timed.append(path) or fake[path])
+    hybrid_runs = []
+    scratch = frozen_lora._dequantize_to_scratch
+    monkeypatch.setattr(frozen_lora, "_dequantize_to_scratch",
+                        lambda *a: hybrid_runs.append(1) or scratch(*a))
+    q, scale = quantize_int8(torch.randn(24, 40, device=DEVICE))
+    a = torch.randn(8, 40, device=DEVICE).requires_grad_()
+    b = torch.randn(24, 8, device=DEVICE).requires_grad_()
+
+    def call(m, grad=True):
+        x = torch.randn(m, 40, device=DEVICE, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            y = frozen_linear.frozen_lora_linear(x, q, scale, a, b, 2.0)
+        if grad:
+            y.sum().backward()
+
+    call(300)
+    assert sorted(timed) == ["fused", "hybrid", "reference"] and hybrid_runs
+    assert kernels.CHOICES == {(512, 24, 40, 8, "float32"): "hybrid"}
+    call(400)                           # the same bucket: no new timing
+    call(500, grad=False)
+    call(100)                           # at most DECODE_M tokens: fused, untimed
+    call(2000, grad=False)              # inference of an unmeasured bucket: the static rule
+    assert len(timed) == 3
+    saved = json.loads(json.dumps(kernels.state()))
+    monkeypatch.setattr(kernels, "CHOICES", {})
+    kernels.load_state(saved)
+    hybrid_runs.clear()
+    call(300)
+    assert len(timed) == 3 and hybrid_runs
+
+
+def test_autotuner_choices_survive_a_resume(monkeypatch):
+    kernel = frozen_lora.AUTOTUNED["_fwd_kernel"]
+    monkeypatch.setattr(kernel, "configs", frozen_lora.CONFIGS["_fwd_kernel"])
+    monkeypatch.setattr(kernel, "cache", {(512, 24, 40, 8, "torch.float32"): kernel.configs[3]})
+    saved = json.loads(json.dumps(kernels.state()))
+    monkeypatch.setattr(kernel, "cache", {})
+    kernels.load_state(saved)
+    assert kernel.cache == {(512, 24, 40, 8, "torch.float32"): frozen_lora.CONFIGS["_fwd_kernel"][3]}
+
+
+def test_under_ddp_rank_0s_measured_choice_holds_on_every_rank(tmp_path):
+    """Two gloo ranks whose timers disagree: both keep rank 0's choice."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        import torch, torch.distributed as dist
+        import frozen_linear
+        from model import quantize_int8
+        from stepgpt import kernels
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        fastest = "hybrid" if rank == 0 else "fused"
+        kernels.TIMER = lambda path, fn: 1.0 if path == fastest else 2.0
+        q, scale = quantize_int8(torch.randn(24, 40))
+        x, a, b = torch.randn(300, 40), torch.randn(8, 40), torch.randn(24, 8)
+        choice = kernels.measure(x, q, scale, a, b, 2.0, (frozen_linear.forward, frozen_linear.backward))
+        print(f"rank {{rank}}: {{choice}}", flush=True)
+        dist.destroy_process_group()
+    """))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "STEP_KERNELS": "triton"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0: hybrid" in proc.stdout and "rank 1: hybrid" in proc.stdout, proc.stdout
 
 
 def test_dispatch_env(monkeypatch):
@@ -305,27 +421,23 @@ def _gpu(fn):
 @_gpu
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
 @pytest.mark.parametrize("lead,n,k,r", SHAPES)
-def test_frozen_lora_cuda_bf16(triton_only, monkeypatch, lead, n, k, r, path):
-    for name in AUTOTUNED:  # ragged shapes with the first configs; tuning is the next test's job
-        kernel = getattr(frozen_lora, name)
+def test_frozen_lora_cuda_bf16(triton_only, convert, monkeypatch, lead, n, k, r, path):
+    for kernel in frozen_lora.AUTOTUNED.values():  # ragged shapes, first configs; tuning is the next test's
         monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
     monkeypatch.setenv("STEP_LORA_PATH", path)
     _run_and_check(lead, n, k, r, torch.bfloat16, strided=(r % 16 == 8))
 
 
 @_gpu
-@pytest.mark.parametrize("deterministic", ["0", "1"])
 @pytest.mark.parametrize("path", frozen_lora.PATHS)
-def test_frozen_lora_cuda_autotuned(triton_only, monkeypatch, path, deterministic):
+def test_frozen_lora_cuda_autotuned_and_bit_identical_when_repeated(triton_only, monkeypatch, path):
     assert len(frozen_lora._fwd_kernel.configs) > 1, "with CUDA the full config sets are tuned"
     monkeypatch.setenv("STEP_LORA_PATH", path)
-    monkeypatch.setenv("STEP_DETERMINISTIC", deterministic)
     torch.manual_seed(1)
     first = _run_and_check((4, 600), 1024, 768, 16, torch.bfloat16)
-    if deterministic == "1":  # on a GPU, unlike in the interpreter, atomics would make this fail
-        torch.manual_seed(1)
-        second = _run_and_check((4, 600), 1024, 768, 16, torch.bfloat16)
-        assert all(torch.equal(u, v) for u, v in zip(first, second))
+    torch.manual_seed(1)
+    second = _run_and_check((4, 600), 1024, 768, 16, torch.bfloat16)
+    assert all(torch.equal(u, v) for u, v in zip(first, second))   # no atomics anywhere
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +460,8 @@ def test_opcheck_reference(store):
     s = (x @ a.t()).detach()
     for need_dx in (True, False):
         torch.library.opcheck(frozen_linear._op_backward,
-                              (torch.randn(20, 24), x.detach(), q, scale, a.detach(), b.detach(), s, 2.0,
+                              (torch.randn(20, 24, device=DEVICE), x.detach(), q, scale, a.detach(),
+                               b.detach(), s, 2.0,
                                "reference", need_dx))
 
 
@@ -356,3 +469,41 @@ def test_opcheck_reference(store):
 def test_opcheck_triton(triton_only, path):
     x, q, scale, a, b = _op_inputs("int8")
     torch.library.opcheck(frozen_linear._op, (x, q, scale, a, b, 2.0, path))
+
+
+def test_a_run_tunes_each_kernel_once_per_shape_however_many_tokens_it_samples(tmp_path, monkeypatch):
+    """The README main command's code path, scaled down in size: training steps, eval and a 200-token
+    sample through the Triton kernels (the interpreter standing in for the GPU), with the full config
+    lists and a counting timer in place of the GPU benchmarks. The autotune keys bucket the tokens:
+    training and eval share one bucket, and sampling's calls (1 to 32 tokens here) take the first
+    config untuned, so each kernel is tuned once per layer shape."""
+    if not kernels.INTERPRET:
+        pytest.skip("emulates a GPU run in the Triton interpreter, with a counting timer")
+    import train
+    from tests.helpers import write_dataset
+    monkeypatch.setenv("STEP_KERNELS", "triton")
+    benchmarked = {name: 0 for name in frozen_lora.AUTOTUNED}
+
+    def counting(name):
+        def bench(kernel_call, quantiles):
+            benchmarked[name] += 1
+            return [1.0, 1.0, 1.0]
+        return bench
+
+    for name, kernel in frozen_lora.AUTOTUNED.items():
+        monkeypatch.setattr(kernel, "configs", frozen_lora.CONFIGS[name])
+        monkeypatch.setattr(kernel, "cache", {})
+        monkeypatch.setitem(kernel.__dict__, "do_bench", counting(name))   # over the cached_property
+    data = write_dataset(tmp_path / "data", vocab=300)    # 299 BPE ranks + <|endoftext|>: a real tokenizer
+    train.main(["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--lora_rank=8", "--block_size=32",
+                "--batch_size=8", "--stage_layers=[1, 1]", "--max_iters=4", "--eval_interval=2",
+                "--eval_iters=1", "--warmup_iters=1", "--stage_warmup_iters=1", "--log_interval=1",
+                "--sample_tokens=200",
+                "--device=cpu", f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    assert (tmp_path / "out" / "sample.txt").exists()
+    # one bucket (8 x 32 = 256 tokens); F1's key has no N: its two shapes are K = 32 and 64
+    configs = {name: len(frozen_lora.CONFIGS[name]) for name in frozen_lora.AUTOTUNED}
+    assert benchmarked == {"_lora_down_kernel": 2 * configs["_lora_down_kernel"],
+                           "_fwd_kernel": 3 * configs["_fwd_kernel"],
+                           "_lora_bwd_kernel": 3 * configs["_lora_bwd_kernel"],
+                           "_dx_kernel": 3 * configs["_dx_kernel"]}

@@ -6,6 +6,7 @@ import torch
 import frozen_linear
 from model import GPT, FrozenLoRALinear, merge_quality, quantize_int8
 from stepgpt import kernels
+from stepgpt.kernels import frozen_lora
 from stepgpt.errors import UserError
 from tests.helpers import tiny_config
 
@@ -268,13 +269,30 @@ def test_checkpointing_and_chunked_loss_compute_the_same_loss_and_gradients(kw):
         assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9), n
 
 
-def test_compiled_model_keeps_frozen_linears_in_one_graph_and_matches_eager():
-    """torch.compile (inductor, CPU, reference op) traces the whole STEP model in one graph: the
-    seven frozen linears of layer 0 are custom ops inside it, not graph breaks."""
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_compiled_model_keeps_frozen_linears_in_one_graph_and_matches_eager(mode, monkeypatch):
+    """torch.compile (inductor, CPU) traces the whole STEP model in one graph: the seven frozen
+    linears of layer 0 are custom ops inside it, not graph breaks. "triton": the Triton kernels
+    (the interpreter) with CUDA's dispatch, the path choice traced through its table of measured
+    choices (one entry measured here, by a stand-in timer, before compiling)."""
+    if mode == "triton":
+        if not (kernels.HAS_TRITON and kernels.INTERPRET):
+            pytest.skip("needs the Triton interpreter")
+        monkeypatch.setenv("STEP_KERNELS", "triton")
+        monkeypatch.setenv("STEP_DISPATCH", "cuda")
+        monkeypatch.setattr(kernels, "CHOICES", {})
+        fixed = {"fused": 1, "hybrid": 2, "reference": 3}
+        monkeypatch.setattr(kernels, "TIMER", lambda path, fn: fixed[path])
+        monkeypatch.setattr(frozen_lora, "DECODE_M", 8)   # the test's 32 tokens: a tuned size
+        tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
     torch.manual_seed(0)
     cfg = tiny_config(frozen_layers=(0,), lora_rank=4)
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    if mode == "triton":   # an eager training call measures the paths of the layer's shapes
+        model(idx, idx)[1].backward()
+        model.zero_grad()
+        assert len(kernels.CHOICES) == 3     # (C -> C), (C -> F), (F -> C) at 32 tokens
     explained = torch._dynamo.explain(model)(idx, idx)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     assert explained.graphs[0].code.count("torch.ops.step.frozen_lora_linear.default") == 7
@@ -291,6 +309,8 @@ def test_compiled_model_keeps_frozen_linears_in_one_graph_and_matches_eager():
     for n, p in model.named_parameters():
         if n in grads:
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    if mode == "triton":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,18 +44,39 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _ONE_CONFIG = INTERPRET or not torch.cuda.is_available()
 
 
-def _configs(names, rows):
+def _configs(names, rows, **fixed):
     # each row: the tile sizes named in `names`, then num_stages, num_warps
-    return [triton.Config(dict(zip(names, row[:-2])), num_stages=row[-2], num_warps=row[-1]) for row in rows]
+    return [triton.Config(dict(zip(names, row[:-2]), **fixed), num_stages=row[-2], num_warps=row[-1])
+            for row in rows]
 
 
 def _tuned(configs):
     return configs[:1] if _ONE_CONFIG else configs
 
 
-# Autotune keys name (M, N, K, R) and the mode flags; Triton adds every tensor argument's dtype
-# to the key itself. Configs that do not fit (shared memory, registers) are skipped by the tuner.
-# main GEMMs (F2, B3): the Triton-tutorial / LoRAFusion Hopper set plus a small-M tile (§9.3)
+DECODE_M = 128
+
+
+def m_bucket(m):
+    return 0 if m <= DECODE_M else triton.next_power_of_2(m)
+
+
+def _first_if_decode(configs, named_args, **kwargs):
+    # an autotuner given one config runs it without benchmarking
+    return configs[:1] if named_args["M_BUCKET"] == 0 else configs
+
+
+def _autotune(configs, key=("M_BUCKET", "N", "K", "R"), **kw):
+    return triton.autotune(configs=_tuned(configs), key=list(key),
+                           prune_configs_by={"early_config_prune": _first_if_decode}, **kw)
+
+
+# Autotune keys name (M_BUCKET, N, K, R); Triton adds every tensor argument's dtype to the key
+# itself. M_BUCKET is M rounded up to a power of two, so a run tunes each kernel and shape for a
+# few token counts (training, eval), not for every M that sampling passes; M <= DECODE_M is bucket
+# 0, which takes the first config of each list untuned (_first_if_decode). Configs that do not fit
+# (shared memory, registers) are skipped by the tuner.
+# main GEMMs (F2, B3): the Triton-tutorial / LoRAFusion Hopper set plus a small-M tile
 _MAIN_ROWS = [
     (64, 64, 64, 8, 3, 4),
     (128, 128, 64, 8, 4, 4),
@@ -66,8 +87,11 @@ _MAIN_ROWS = [
     (256, 64, 64, 8, 4, 8),
 ]
 # F2: output tile BLOCK_M x BLOCK_N, K-step BLOCK_K. B3: output tile BLOCK_M x BLOCK_K, N-step BLOCK_N.
-_FWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), _MAIN_ROWS)
-_DX_CONFIGS = _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _MAIN_ROWS)
+# CONVERT: how the int8 tile becomes the MMA's operand, see _fwd_kernel; both are tuned
+_FWD_CONFIGS = [c for conv in ("direct", "fp32")
+                for c in _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), _MAIN_ROWS, CONVERT=conv)]
+_DX_CONFIGS = [c for conv in ("direct", "fp32")
+               for c in _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _MAIN_ROWS, CONVERT=conv)]
 # memory-bound side kernels: large row blocks keep r-wide partial products in registers
 _DOWN_CONFIGS = _configs(("BLOCK_M", "BLOCK_K"), [
     (64, 64, 3, 4), (128, 128, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4), (32, 128, 4, 4)])
@@ -88,9 +112,9 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
-@triton.autotune(configs=_tuned(_DOWN_CONFIGS), key=["M", "K", "R"])
+@_autotune(_DOWN_CONFIGS, key=("M_BUCKET", "K", "R"))
 @triton.jit
-def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, K, R, stride_xm, stride_xk, stride_ar, stride_ak,
+def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, M_BUCKET, K, R, stride_xm, stride_xk, stride_ar, stride_ak,
                       PRECISION: tl.constexpr, R_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # F1: S[rows, :] = x[rows, :] · Aᵀ for one block of rows
@@ -113,13 +137,13 @@ def _lora_down_kernel(x_ptr, a_ptr, s_ptr, M, K, R, stride_xm, stride_xk, stride
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.autotune(configs=_tuned(_FWD_CONFIGS), key=["M", "N", "K", "R"])
+@_autotune(_FWD_CONFIGS)
 @triton.jit
-def _fwd_kernel(x_ptr, q_ptr, scale_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, K, R,
+def _fwd_kernel(x_ptr, q_ptr, scale_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, M_BUCKET, N, K, R,
                 stride_xm, stride_xk, stride_bn, stride_br,
                 PRECISION: tl.constexpr, R_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr):
+                GROUP_M: tl.constexpr, CONVERT: tl.constexpr):
     # F2: one BLOCK_M x BLOCK_N tile of y
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,9 +165,12 @@ def _fwd_kernel(x_ptr, q_ptr, scale_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, 
                  mask=r_ok[None, :], other=0.0)                                                # [BN, R_PAD]
     st = tl.load(s_ptr + offs_m[None, :].to(tl.int64) * R + offs_r[:, None],
                  mask=r_ok[:, None], other=0.0)                                                # [R_PAD, BM]
-    bt = (bt.to(tl.float32) * lora_scale).to(dt)
-    acc = tl.dot(bt, st, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), input_precision=PRECISION)  # yᵀ
     scale = tl.load(scale_ptr + offs_n)                                                        # [BN] fp32
+    if CONVERT == "direct":   # the row scale waits for the epilogue, so the low-rank term is divided by it
+        bt = (bt.to(tl.float32) * (lora_scale / scale[:, None])).to(dt)
+    else:
+        bt = (bt.to(tl.float32) * lora_scale).to(dt)
+    acc = tl.dot(bt, st, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), input_precision=PRECISION)  # yᵀ
     q_ptrs = q_ptr + offs_n[:, None] * K + offs_k[None, :]                                     # [BN, BK]
     xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk   # [BK, BM]
     for k0 in range(0, K, BLOCK_K):
@@ -152,79 +179,81 @@ def _fwd_kernel(x_ptr, q_ptr, scale_ptr, b_ptr, s_ptr, y_ptr, lora_scale, M, N, 
         xt = tl.load(xt_ptrs, mask=k_ok[:, None], other=0.0)
         # dequantised in registers with the row scale and rounded once, as the hybrid path's
         # weight is; the dequantised weight never exists in memory
-        w = (q.to(tl.float32) * scale[:, None]).to(dt)
+        if CONVERT == "direct":
+            # exact (|q| <= 127 in bf16's 8 bits), and lowered to byte permutes and bf16x2
+            # arithmetic: no I2F or F2FP, whose throughput on Hopper can bound this loop
+            w = q.to(dt)
+        else:   # dequantised with the row scale and rounded once: I2F, FMUL and F2FP per element
+            w = (q.to(tl.float32) * scale[:, None]).to(dt)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         q_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K * stride_xk
     y_ptrs = y_ptr + tile_m[None, :].to(tl.int64) * N + tile_n[:, None]
+    if CONVERT == "direct":
+        acc = acc * scale[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(tile_n[:, None] < N) & (tile_m[None, :] < M))
 
 
+@_autotune(_BWD_CONFIGS, reset_to_zero=["da_ptr", "db_ptr"])
 @triton.jit
-def _accumulate(ptrs, value, mask, DETERMINISTIC: tl.constexpr):
-    if DETERMINISTIC:
-        # the slice belongs to this program alone: a plain read-modify-write, always in the same order
-        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
-    else:
-        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
-
-
-@triton.autotune(configs=_tuned(_BWD_CONFIGS), key=["M", "N", "K", "R", "DETERMINISTIC"],
-                 reset_to_zero=["da_ptr", "db_ptr"])
-@triton.jit
-def _lora_bwd_kernel(dy_ptr, x_ptr, b_ptr, s_ptr, dyb_ptr, da_ptr, db_ptr, M, N, K, R,
+def _lora_bwd_kernel(dy_ptr, x_ptr, b_ptr, s_ptr, dyb_ptr, da_ptr, db_ptr, M, M_BUCKET, N, K, R, SLICES,
                      stride_dym, stride_dyn, stride_xm, stride_xk, stride_bn, stride_br,
-                     DETERMINISTIC: tl.constexpr, PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+                     PRECISION: tl.constexpr, R_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # B1 + B2: a program owns whole row blocks of dY, so dYB = dY·B is complete in registers after
     # one sweep over N and is multiplied into x at once: dY and x are each read once. dB and dA sum
-    # over all rows, across programs: atomically into one fp32 buffer, or (DETERMINISTIC) into this
-    # program's own slice [pid] of a partial buffer that the launcher sums in a fixed order.
-    pid = tl.program_id(0)
-    part = pid if DETERMINISTIC else 0
-    db_ptr += part * N * R                                                    # db: [slices, N, R] fp32
-    da_ptr += part * R * K                                                    # da: [slices, R, K] fp32
+    # over all rows. The rows are cut into SLICES contiguous slices; each slice's sums go into its
+    # own part [slice] of fp32 partial buffers, row block after row block, and the launcher adds the
+    # parts in a fixed order. No atomics: the result is the same bit for bit on every run, and for
+    # any number of programs (each program takes slices pid, pid + P, ...).
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
-    for mb in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-        if DETERMINISTIC:  # make the previous block's partial-sum stores visible to every thread
-            tl.debug_barrier()
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        rows = offs_m[:, None].to(tl.int64)
-        s = tl.load(s_ptr + rows * R + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        dyb = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < N
-            dy = tl.load(dy_ptr + rows * stride_dym + offs_n[None, :] * stride_dyn,
-                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)                  # [BM, BN]
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                        mask=n_ok[:, None] & r_ok[None, :], other=0.0)                   # [BN, R_PAD]
-            dyb = tl.dot(dy, b, dyb, input_precision=PRECISION)
-            db = tl.dot(tl.trans(dy), s, input_precision=PRECISION)                      # [BN, R_PAD]
-            _accumulate(db_ptr + offs_n[:, None] * R + offs_r[None, :], db,
-                        n_ok[:, None] & r_ok[None, :], DETERMINISTIC)
-        # rounded to the compute dtype, as in the reference; B3 reads it back for dX's low-rank term
-        dyb = dyb.to(dyb_ptr.dtype.element_ty)
-        tl.store(dyb_ptr + rows * R + offs_r[None, :], dyb, mask=m_ok[:, None] & r_ok[None, :])
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # [BM, BK]
-            da = tl.dot(tl.trans(dyb), x, input_precision=PRECISION)                     # [R_PAD, BK]
-            _accumulate(da_ptr + offs_r[:, None] * K + offs_k[None, :], da,
-                        r_ok[:, None] & k_ok[None, :], DETERMINISTIC)
+    blocks = tl.cdiv(M, BLOCK_M)
+    per_slice = tl.cdiv(blocks, SLICES)
+    for part in range(tl.program_id(0), SLICES, tl.num_programs(0)):
+        # int32 offsets suffice: the partial buffers hold at most PARTIAL_BYTES / 4 elements
+        db_part = db_ptr + part * N * R                                     # db: [SLICES, N, R] fp32
+        da_part = da_ptr + part * R * K                                     # da: [SLICES, R, K] fp32
+        for mb in range(part * per_slice, tl.minimum(blocks, (part + 1) * per_slice)):
+            tl.debug_barrier()   # the previous row block's partial-sum stores are visible to every thread
+            offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < M
+            rows = offs_m[:, None].to(tl.int64)
+            s = tl.load(s_ptr + rows * R + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+            dyb = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < N
+                dy = tl.load(dy_ptr + rows * stride_dym + offs_n[None, :] * stride_dyn,
+                             mask=m_ok[:, None] & n_ok[None, :], other=0.0)                  # [BM, BN]
+                b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                            mask=n_ok[:, None] & r_ok[None, :], other=0.0)                   # [BN, R_PAD]
+                dyb = tl.dot(dy, b, dyb, input_precision=PRECISION)
+                db_ptrs = db_part + offs_n[:, None] * R + offs_r[None, :]
+                db_mask = n_ok[:, None] & r_ok[None, :]
+                db = tl.dot(tl.trans(dy), s, input_precision=PRECISION)                      # [BN, R_PAD]
+                tl.store(db_ptrs, tl.load(db_ptrs, mask=db_mask, other=0.0) + db, mask=db_mask)
+            # rounded to the compute dtype, as in the reference; B3 reads it back for dX's low-rank term
+            dyb = dyb.to(dyb_ptr.dtype.element_ty)
+            tl.store(dyb_ptr + rows * R + offs_r[None, :], dyb, mask=m_ok[:, None] & r_ok[None, :])
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)                   # [BM, BK]
+                da_ptrs = da_part + offs_r[:, None] * K + offs_k[None, :]
+                da_mask = r_ok[:, None] & k_ok[None, :]
+                da = tl.dot(tl.trans(dyb), x, input_precision=PRECISION)                     # [R_PAD, BK]
+                tl.store(da_ptrs, tl.load(da_ptrs, mask=da_mask, other=0.0) + da, mask=da_mask)
 
 
-@triton.autotune(configs=_tuned(_DX_CONFIGS), key=["M", "N", "K", "R"])
+@_autotune(_DX_CONFIGS)
 @triton.jit
-def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, N, K, R,
+def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, M_BUCKET, N, K, R,
                stride_dym, stride_dyn, stride_ar, stride_ak,
                PRECISION: tl.constexpr, R_PAD: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               GROUP_M: tl.constexpr):
+               GROUP_M: tl.constexpr, CONVERT: tl.constexpr):
     # B3: one BLOCK_M x BLOCK_K tile of dX, reducing over N
     pid_m, pid_k = _grouped_tile(tl.program_id(0), M, K, BLOCK_M, BLOCK_K, GROUP_M)
     tile_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -249,10 +278,13 @@ def _dx_kernel(dy_ptr, q_ptr, scale_ptr, a_ptr, dyb_ptr, dx_ptr, lora_scale, M, 
         n_ok = offs_n < N - n0
         qt = tl.load(qt_ptrs, mask=n_ok[None, :], other=0)
         dyt = tl.load(dyt_ptrs, mask=n_ok[:, None], other=0.0)
-        scale = tl.load(scale_ptr + n0 + offs_n, mask=n_ok, other=0.0)
-        # the scale goes onto the register operand, as in F2: scaling the dY tile instead would pull
-        # that shared-memory operand into registers and back, and spill
-        wt = (qt.to(tl.float32) * scale[None, :]).to(dt)
+        scale = tl.load(scale_ptr + n0 + offs_n, mask=n_ok, other=0.0)                          # [BN] fp32
+        # the scale varies along the reduction, so it multiplies the converted tile (scaling the dY
+        # tile instead would pull that shared-memory operand into registers and back, and spill)
+        if CONVERT == "direct":   # a direct cast as in F2, the scale applied in bf16x2 arithmetic
+            wt = qt.to(dt) * scale.to(dt)[None, :]
+        else:
+            wt = (qt.to(tl.float32) * scale[None, :]).to(dt)
         acc = tl.dot(wt, dyt, acc, input_precision=PRECISION)
         qt_ptrs += BLOCK_N * K
         dyt_ptrs += BLOCK_N * stride_dyn
@@ -271,6 +303,12 @@ def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, B
     scale = tl.load(scale_ptr + rows, mask=rows < N, other=1.0)
     w = q.to(tl.float32) * scale[:, None]               # fp32 product, rounded once, as in F2 and B3
     tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+AUTOTUNED = {"_lora_down_kernel": _lora_down_kernel, "_fwd_kernel": _fwd_kernel,
+             "_lora_bwd_kernel": _lora_bwd_kernel, "_dx_kernel": _dx_kernel}
+CONFIGS = {"_lora_down_kernel": _DOWN_CONFIGS, "_fwd_kernel": _FWD_CONFIGS, "_lora_bwd_kernel": _BWD_CONFIGS,
+           "_dx_kernel": _DX_CONFIGS}   # the full lists (AUTOTUNED's hold the first alone without a GPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,16 +340,12 @@ def _dot_precision(dtype):
     return "tf32"  # Triton's default; fp16/bf16 operands ignore it
 
 
-def _deterministic():
-    return os.environ.get("STEP_DETERMINISTIC") == "1" or torch.are_deterministic_algorithms_enabled()
-
-
 def _lora_down(x, a):
     m, k = x.shape
     r = a.shape[0]
     s = _empty((m, r), x.dtype, x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
-    _lora_down_kernel[grid](x, a, s, m, k, r, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+    _lora_down_kernel[grid](x, a, s, m, m_bucket(m), k, r, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                             PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
     return s
 
@@ -322,37 +356,36 @@ def _fused_forward(x, q, scale, a, b, lora_scale):
     s = _lora_down(x, a)
     y = _empty((m, n), x.dtype, x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _fwd_kernel[grid](x, q, scale, b, s, y, lora_scale, m, n, k, r,
+    _fwd_kernel[grid](x, q, scale, b, s, y, lora_scale, m, m_bucket(m), n, k, r,
                       x.stride(0), x.stride(1), b.stride(0), b.stride(1),
                       PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
     return y, s
 
 
-# The deterministic mode's partial buffers take slices·(N+K)·r·4 bytes: cap them
-DETERMINISTIC_PARTIAL_BYTES = 64 << 20
+# dA and dB are summed over the rows in SLICES parts: fp32 partial buffers of SLICES·(N+K)·r·4
+# bytes, capped. SLICES depends on the shape alone (never on the GPU's size), so a result does not
+# either; with about one program per slice, up to the GPU's multiprocessor count, B1 fills the GPU.
+MAX_SLICES = 132
+PARTIAL_BYTES = 128 << 20
+CPU_PROGRAMS = 4   # the interpreter's stand-in for a multiprocessor count
 
 
-def _lora_backward(dy, x, b, s, deterministic):
+def _lora_backward(dy, x, b, s):
     """-> dYB [M, r] (compute dtype), dA [r, K] and dB [N, r] (fp32, not yet times lora_scale)."""
     m, k = x.shape
     n, r = b.shape
-    if deterministic:
-        sms = torch.cuda.get_device_properties(dy.device).multi_processor_count if dy.is_cuda else 2
-        slices = max(1, min(sms, DETERMINISTIC_PARTIAL_BYTES // ((n + k) * r * 4)))
-        programs = slices
-    else:
-        slices, programs = 1, m  # one program per row block, all adding into slice 0
+    slices = max(1, min(MAX_SLICES, triton.cdiv(m, 64), PARTIAL_BYTES // ((n + k) * r * 4)))
+    programs = CPU_PROGRAMS
+    if dy.is_cuda:
+        programs = torch.cuda.get_device_properties(dy.device).multi_processor_count
     dyb = _empty((m, r), dy.dtype, dy.device)
     da = torch.zeros((slices, r, k), dtype=torch.float32, device=dy.device)
     db = torch.zeros((slices, n, r), dtype=torch.float32, device=dy.device)
-    grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"])),)  # noqa: E731
-    _lora_bwd_kernel[grid](dy, x, b, s, dyb, da, db, m, n, k, r,
-                           dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                           b.stride(0), b.stride(1),
-                           DETERMINISTIC=deterministic, PRECISION=_dot_precision(dy.dtype),
-                           R_PAD=_r_pad(r))
-    # torch.sum over the slice dimension is a fixed-order reduction (no atomics)
-    return dyb, da.sum(0), db.sum(0)
+    _lora_bwd_kernel[(min(programs, slices),)](dy, x, b, s, dyb, da, db, m, m_bucket(m), n, k, r, slices,
+                                               dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                                               b.stride(0), b.stride(1), PRECISION=_dot_precision(dy.dtype),
+                                               R_PAD=_r_pad(r))
+    return dyb, da.sum(0), db.sum(0)   # a fixed-order sum over the slices
 
 
 def _fused_dx(dy, q, scale, a, dyb, lora_scale):
@@ -360,7 +393,7 @@ def _fused_dx(dy, q, scale, a, dyb, lora_scale):
     r, k = a.shape
     dx = _empty((m, k), dy.dtype, dy.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)  # noqa: E731
-    _dx_kernel[grid](dy, q, scale, a, dyb, dx, lora_scale, m, n, k, r,
+    _dx_kernel[grid](dy, q, scale, a, dyb, dx, lora_scale, m, m_bucket(m), n, k, r,
                      dy.stride(0), dy.stride(1), a.stride(0), a.stride(1),
                      PRECISION=_dot_precision(dy.dtype), R_PAD=_r_pad(r))
     return dx
@@ -380,29 +413,7 @@ def _dequantize_to_scratch(q, scale, dtype):
     return dequantize(q, scale, dtype, out=w)
 
 
-# ----------------------------------------------------------------------------------------------
-# Which path runs, by the cost model of the two: dequantising to scratch costs ~1.5·(F/BW)/M of the
-# GEMM (F/BW ≈ 165 FLOP/B on an H200: 12% at M=2k, 3% at 8k), while public Triton int8 x bf16 main
-# loops reach 0.4-0.8x of cuBLAS; so large M goes hybrid. Small weights stay fused: there the extra
-# launches (dequantise, addmm) cost more than the GEMM efficiency gains. Not yet measured on a GPU.
-#
-#   tokens M  \  weight N·K      < HYBRID_MIN_WEIGHT       >= HYBRID_MIN_WEIGHT
-#   M <  HYBRID_MIN_TOKENS       fused                     fused
-#   M >= HYBRID_MIN_TOKENS       fused                     hybrid
-HYBRID_MIN_TOKENS = 2048
-HYBRID_MIN_WEIGHT = 2048 * 2048
-PATHS = ("fused", "hybrid")
-
-
-def triton_path(m, n, k, r):
-    """The path for x [m, k] through q [n, k] at rank r; STEP_LORA_PATH=fused|hybrid overrides the
-    rule (default auto)."""
-    path = os.environ.get("STEP_LORA_PATH", "auto")
-    if path != "auto":
-        if path not in PATHS:
-            raise ValueError(f"STEP_LORA_PATH={path!r} is not one of auto, {', '.join(PATHS)}")
-        return path
-    return "hybrid" if m >= HYBRID_MIN_TOKENS and n * k >= HYBRID_MIN_WEIGHT else "fused"
+PATHS = ("fused", "hybrid")   # the Triton paths: stepgpt/kernels/__init__.py picks one, or the reference
 
 
 def forward(path, x, q, scale, lora_a, lora_b, lora_scale):
@@ -429,7 +440,7 @@ def backward(path, dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
     q, scale = q.contiguous(), scale.float().contiguous()
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
-    dyb, da, db = _lora_backward(dy, x, b, s, _deterministic())
+    dyb, da, db = _lora_backward(dy, x, b, s)
     dx = None
     if need_dx:
         if path == "hybrid":
