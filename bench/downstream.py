@@ -91,7 +91,8 @@ def svg_plot(rows, tasks, path):
     """One panel per task metric, a bar per model: by hand, no plotting dependency."""
     cols = [(t, m) for t in tasks for m in METRICS if any(m in r["eval"].get(t, {}) for r in rows)]
     pw, h, pad, colors = 190, 300, 40, ["#9ecae1", "#1f77b4", "#fcae91", "#d62728"]
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{pw * len(cols)}" height="{h + 70}" '
+    width = max(pw * len(cols), 140 * len(rows) + 20)
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + 70}" '
            'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>']
     for i, (t, m) in enumerate(cols):
         vals = [r["eval"].get(t, {}).get(m) or 0 for r in rows]
@@ -105,8 +106,8 @@ def svg_plot(rows, tasks, path):
                        f'text-anchor="middle">{v:.3f}</text>')
         svg.append(f'<line x1="{x0}" y1="{h}" x2="{x0 + pw - 2 * pad}" y2="{h}" stroke="black"/>')
     for j, r in enumerate(rows):
-        svg.append(f'<rect x="{10 + 180 * j}" y="{h + 30}" width="12" height="12" fill="{colors[j % 4]}"/>'
-                   f'<text x="{28 + 180 * j}" y="{h + 40}">{r["name"]}</text>')
+        svg.append(f'<rect x="{10 + 140 * j}" y="{h + 30}" width="12" height="12" fill="{colors[j % 4]}"/>'
+                   f'<text x="{28 + 140 * j}" y="{h + 40}">{r["name"]}</text>')
     with open(path, "w") as f:
         f.write("\n".join(svg + ["</svg>"]) + "\n")
 

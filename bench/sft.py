@@ -140,8 +140,7 @@ def main(argv=None):
     shutil.rmtree(tmp, ignore_errors=True)   # left by a killed run
     trainer, cut = build_trainer(a, records, tmp)
     result = trainer.train()
-    trainer.save_model(tmp)
-    trainer.processing_class.save_pretrained(tmp)   # with the chat template and the pad token
+    trainer.save_model(tmp)   # the model, and the tokenizer with its chat template and pad token
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     summary = {"model": a.model, "data": a.data, "examples": len(records), "cut": cut, "epochs": a.epochs,
                "lr": a.lr, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
