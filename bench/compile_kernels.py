@@ -38,7 +38,9 @@ from concurrent.futures import ProcessPoolExecutor
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"       # a cached kernel would skip ptxas and its report
 os.environ.pop("TRITON_INTERPRET", None)         # interpreted kernels cannot be compiled
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402

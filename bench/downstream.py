@@ -36,7 +36,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 from bench.val_docs import bits_per_byte, documents  # noqa: E402
 from stepgpt.checkpoint import load_checkpoint  # noqa: E402
 from stepgpt.errors import UserError, run_cli  # noqa: E402

@@ -32,7 +32,9 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 import grow  # noqa: E402
 import train  # noqa: E402
 from stepgpt import memory  # noqa: E402
@@ -40,7 +42,6 @@ from stepgpt.config import load_config  # noqa: E402
 from stepgpt.errors import UserError, run_cli  # noqa: E402
 from model import GPT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("vanilla", "step2", "step3")   # the config's final depth trained in 1, 2 or 3 planned stages
 MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
          "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"],

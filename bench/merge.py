@@ -13,7 +13,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 from model import FrozenLoRALinear, merge_quality  # noqa: E402
 
 N = K = 1024

@@ -19,7 +19,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 from data.prepare import shakespeare_documents  # noqa: E402
 
 

@@ -26,7 +26,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 import grow  # noqa: E402
 from bench.memory import measure  # noqa: E402
 from stepgpt.checkpoint import checkpoint_files  # noqa: E402
@@ -34,7 +36,6 @@ from stepgpt.config import load_config  # noqa: E402
 from stepgpt.errors import UserError, run_cli  # noqa: E402
 from model import padded_vocab  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASES = {"small": "config/step_small.py", "350m": "config/step_350m.py"}
 
 

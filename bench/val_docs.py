@@ -18,7 +18,9 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
 from stepgpt.checkpoint import load_checkpoint  # noqa: E402
 from stepgpt.errors import UserError, run_cli  # noqa: E402
 from data.prepare import get_tokenizer  # noqa: E402

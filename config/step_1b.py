@@ -21,8 +21,10 @@ target_layers = 24
 n_stages = 3
 stage_tokens = [8_000_000_000, 8_000_000_000, 8_000_000_000]   # 24B tokens, 17.9 per parameter
 
-batch_size = 16
-gradient_accumulation_steps = 32    # 512 sequences per step
+# micro-batch 8: the planned bf16 step peak (plan.py) is 31.2 GiB, vanilla's 41.0 GiB, far inside an
+# 80 GB GPU even where the plan is short (it is derived, not yet measured on a GPU)
+batch_size = 8
+gradient_accumulation_steps = 64    # 512 sequences per step
 learning_rate = 5e-4
 min_lr = 5e-5
 warmup_iters = 2000

@@ -223,16 +223,26 @@ def describe(run):
     opt = planned_optimizer(cfg)
     plan = grow.stage_memory(final, run.stage_layers, memory.state_bytes,
                              train_embeddings=cfg.train_embeddings, optimizer=opt)
-    frozen = [sum(run.stage_layers[:i]) for i in range(len(run.stage_layers))]
-    tokens = cfg.batch_size * cfg.block_size
-    peaks = [memory.step_peak_bytes(final, n, f, tokens, cfg.train_embeddings or f == 0,
-                                    cfg.activation_checkpointing, cfg.loss_chunk, optimizer=opt)
-             for n, f in zip(run.stage_layers, frozen)]
+    peaks = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)
     galore = ", which GaLore's projection lowers" if cfg.optimizer == "galore" else ""
     run.log.print(f"planned (int8 accounting, {opt} state{galore}): model state "
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan))
-                  + "; step peak with fp32 activations "
+                  + f"; step peak with {run.dtype} activations "
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
+    if device.type == "cuda":
+        warning = memory_warning(max(peaks), torch.cuda.mem_get_info(device)[0], device)
+        if warning:
+            run.log.print(warning)
+
+
+def memory_warning(planned, free, device):
+    """A line when the planned step peak is over the device's free memory, naming what to change."""
+    if planned <= free:
+        return None
+    return (f"warning: the planned step peak, {fmt_bytes(planned)}, is over the {fmt_bytes(free)} free on "
+            f"{device}: lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or "
+            f"set activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
+            f"CONFIG shows what each saves")
 
 
 def planned_optimizer(cfg):

@@ -76,18 +76,19 @@ def test_memory_table(tmp_path):
 
 
 def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
-    """bench/memory.py --meta as its docstring runs it: at 350M and 1B, for AdamW and (where
+    """bench/memory.py --meta as its docstring runs it: at 350M, 1B and 7B, for AdamW and (where
     bitsandbytes is installed) 8-bit AdamW, every stage's model built on the meta device holds
     exactly the planned model state plus the RoPE tables, which the plan leaves out."""
     import importlib.util
-    out = run("bench/memory.py", "--meta", "config/step_350m.py,config/step_1b.py")
+    out = run("bench/memory.py", "--meta", "config/step_350m.py,config/step_1b.py,config/step_7b.py")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step_")]
     optimizers = ["adamw", "adamw8bit"] if importlib.util.find_spec("bitsandbytes") else ["adamw"]
     assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
-        (c, o, s) for c, stages in (("step_350m.py", "12"), ("step_1b.py", "123")) for o in optimizers
-        for s in ["vanilla", *stages]]
-    for r in rows:
-        assert r[6].strip() == r[7].strip() == "262,144 B", r   # 2 x 1024 positions x 32 x 4 B at 350M and 1B
+        (c, o, s) for c, stages in (("step_350m.py", "12"), ("step_1b.py", "123"), ("step_7b.py", "123"))
+        for o in optimizers for s in ["vanilla", *stages]]
+    for r in rows:   # 2 tables x positions x head size / 2 x 4 B: 1024 x 32 at 350M and 1B, 2048 x 64 at 7B
+        rope = "1,048,576 B" if r[0].strip() == "step_7b.py" else "262,144 B"
+        assert r[6].strip() == r[7].strip() == rope, r
 
 
 def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
@@ -124,7 +125,8 @@ def test_train_step_time_bench_as_the_readme_runs_it():
 def test_gpu_check_smoke_runs_every_command(tmp_path):
     """bench/gpu_check.sh with SMOKE=1: each of its commands at tiny sizes on the CPU, so that a
     command that would fail on a lent GPU fails here first."""
-    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path)}
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path),   # its `python` is this one
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env=env)
     log = (tmp_path / "gpu_check.log").read_text()

@@ -42,3 +42,19 @@ def test_a_config_over_the_shared_memory_limit_fails_the_check():
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "3 launches with no config that fits" in run.stdout and "753,664!" in run.stdout   # attn, up, down
     assert "target missed: _fwd_kernel 256x256x256 direct, 4, 8" in run.stdout
+
+
+def test_sass_counts_the_main_loops_instructions():
+    """--sass: every forward config's main loop holds its wgmma instructions (HGMMA); the `fp32`
+    conversion puts I2F and F2FP in it, the `direct` one none (byte permutes instead)."""
+    run = _run(["--shapes", "350m", "--dtypes", "bf16", "--kernels", "_fwd_kernel", "--sass", "--jobs", "2"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    header = next(line for line in run.stdout.splitlines() if line.startswith("| kernel | config | MMA"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = [dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
+            for line in run.stdout.splitlines() if line.startswith("| _fwd_kernel | ")]
+    assert len(rows) == 14
+    for row in rows:
+        assert int(row["MMA"]) > 0, row
+        assert (int(row["convert"]) > 0) == (" fp32," in row["config"]), row
+        assert (int(row["shuffle"]) > 0) == (" direct," in row["config"]), row

@@ -14,7 +14,8 @@ from tests.helpers import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 micro-steps per rank on 2 ranks (4 in all), a growth at step 6, ReLoRA restarts at 8 and 10
-TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2", "--lora_rank=4",
+TINY = ["--device=cpu",
+        "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2", "--lora_rank=4",
         "--eval_iters=3", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
         "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4",
         "--relora_every=2",
@@ -108,7 +109,7 @@ def test_diverged_ranks_are_stopped_with_a_clear_error(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["step_small", "vanilla_small", "step_350m", "vanilla_350m", "step_1b",
-                                  "vanilla_1b"])
+                                  "vanilla_1b", "step_7b", "vanilla_7b"])
 def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
     """Each config's micro-steps per rank at the world size the README runs it with (8 GPUs for
     350M and 1B, 1 process for small), here on 2 ranks; the model scaled down, eval_iters below the
@@ -121,7 +122,8 @@ def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
     depth = dict(target_layers=3 * stages) if cfg.target_layers else dict(stage_layers=[1] * stages)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         f"config/{name}.py", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16",
+         f"config/{name}.py", "--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64",
+         "--block_size=16",
          "--batch_size=2", "--lora_rank=4", "--vocab_size=0", f"--data_dir={data}", f"--out_dir={tmp_path}",
          "--eval_iters=1", "--eval_interval=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=1",
          "--stage_warmup_iters=1", f"--gradient_accumulation_steps={2 * per_rank}",

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import textwrap
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -22,7 +23,7 @@ from data.prepare import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPACA = os.path.join(ROOT, "tests", "data", "alpaca_tiny.json")
-TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=128", "--batch_size=4",
+TINY = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=128", "--batch_size=4",
         "--eval_iters=1", "--log_interval=8", "--sample_tokens=0", "--warmup_iters=2",
         "--stage_warmup_iters=1", "--lora_rank=4", "--eval_interval=16", "--learning_rate=1e-2"]
 # one thread: the models are tiny, and a second thread only waits on a busy CI machine's other core
@@ -124,10 +125,15 @@ def test_sft_bad_model_folder(runs, tmp_path):
 # -- the pipeline's commands -----------------------------------------------------------------------
 
 def pipeline_commands():
-    """The commands bench/downstream.py's docstring gives for one model, continuation lines joined."""
+    """The commands the README gives for one model (the same as bench/downstream.py's docstring),
+    continuation lines joined."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("For one model the\nsteps are these commands:")[1]
+    block = block.split("```bash\n")[1].split("```")[0]
     doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "bench", "downstream.py")).read()))
-    block = doc.split("The pipeline it runs for each model")[1].split("\n\n")[1].replace("\\\n", "")
-    return [shlex.split(line) for line in block.splitlines()]
+    in_doc = doc.split("The pipeline it runs for each model")[1].split("\n\n")[1]
+    assert block.strip() == textwrap.dedent(in_doc).strip(), "README and downstream.py's docstring differ"
+    return [shlex.split(line) for line in block.replace("\\\n", "").splitlines()]
 
 
 def test_pipeline_commands(runs, tmp_path):

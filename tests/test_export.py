@@ -27,7 +27,8 @@ from tests.helpers import write_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 257   # 256 byte ranks + <|endoftext|>: the smallest valid cut of cl100k, so the tokenizer exports too
-TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+TINY = ["--device=cpu",
+        "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--eval_iters=1",
         "--log_interval=4", "--sample_tokens=0", "--warmup_iters=2", "--stage_warmup_iters=1",
         "--lora_rank=4", "--learning_rate=1e-2"]
 RUNS = {"vanilla": ["--n_layer=2", "--max_iters=4", "--eval_interval=4"],

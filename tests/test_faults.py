@@ -19,7 +19,8 @@ from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--lora_rank=4",
+RUN = ["--device=cpu",
+       "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4", "--lora_rank=4",
        "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3",
        "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6",
        "--relora_every=7", "--keep_checkpoints=2"]

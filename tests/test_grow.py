@@ -397,3 +397,35 @@ def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
                                        optimizer=cfg.optimizer)
         assert abs(r["peak"] - planned) < 0.10 * planned, (
             r["peak"], planned, grow.state_bytes(mc, r["n_trainable"], r["n_frozen"]))
+
+
+@pytest.mark.parametrize("name", ["step_350m", "vanilla_350m", "step_1b", "vanilla_1b", "step_7b",
+                                  "vanilla_7b"])
+def test_every_shipped_gpu_config_leaves_a_tenth_of_an_80_gb_gpu_free(name):
+    """The planned bf16 step peak of each stage, as the config is set (micro-batch, checkpointing,
+    chunked loss, optimizer), is at most 90 % of an 80 GB GPU."""
+    tcfg = load_config([os.path.join(ROOT, "config", f"{name}.py")])
+    vocab = memory.data_vocab(tcfg, 32000)[0]
+    layers, _ = grow.stage_plan(tcfg, vocab, tcfg.batch_size * tcfg.block_size)
+    final = grow.model_config(tcfg, sum(layers), vocab)
+    assert max(memory.configured_peaks(tcfg, final, layers, "bfloat16")) <= 0.9 * memory.GPU_BYTES
+
+
+def test_7b_step_fits_one_80_gb_gpu_where_vanilla_with_fp32_adamw_cannot():
+    out = subprocess.run([sys.executable, "plan.py", "config/step_7b.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120).stdout
+    configured = re.search(r"stages \[12, 11, 9\], step peak [\d. ]+ GiB, at most ([\d.]+) GB; vanilla "
+                           r"[\d.]+ GiB \(([\d.]+) GB\)", out)
+    assert configured and float(configured.group(1)) < 72 < 80 < float(configured.group(2)) + 10
+    vanilla_fp32 = re.search(r"full peak ([\d.]+) GiB, ckpt\+chunk ([\d.]+) GiB", out)
+    assert float(vanilla_fp32.group(2)) * 2**30 > 80e9   # fp32 AdamW: no 80 GB GPU, checkpointing or not
+
+
+def test_a_run_warns_when_its_planned_peak_is_over_the_free_memory():
+    from stepgpt.runtime import memory_warning
+    assert memory_warning(10 * 2**30, 20 * 2**30, "cuda:0") is None
+    line = memory_warning(30 * 2**30, 20 * 2**30, "cuda:0")
+    assert line.startswith("warning: the planned step peak, 30.00GiB, is over the 20.00GiB free on cuda:0")
+    for key in ("batch_size", "gradient_accumulation_steps", "activation_checkpointing", "loss_chunk",
+                "optimizer=adamw8bit"):
+        assert key in line

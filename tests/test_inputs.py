@@ -14,7 +14,8 @@ from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",
+RUN = ["--device=cpu",
+       "--n_layer=1", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",
        "--eval_iters=1", "--sample_tokens=0", "--log_interval=1", "--warmup_iters=1"]
 
 

@@ -19,7 +19,7 @@ from model import GPT
 from tests.helpers import tiny_config, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
+TINY = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
         "--eval_iters=2", "--log_interval=2", "--sample_tokens=0", "--warmup_iters=4",
         "--stage_warmup_iters=3"]
 
