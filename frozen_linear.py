@@ -23,15 +23,18 @@ def forward(x, q, scale, a, b, s):
     """x [M, K] -> y [M, N] and S = x·Aᵀ [M, r], which the backward needs."""
     dt = x.dtype
     xa = x @ a.to(dt).t()                                                     # [M, r]
-    return torch.addmm(xa @ b.to(dt).t(), x, weight(q, scale, dt).t(), beta=s), xa
+    y = torch.addmm(xa @ b.to(dt).t(), x, weight(q, scale, dt).t(), beta=s)   # [M, N]
+    return y, xa
 
 
 def backward(dy, x, q, scale, a, b, xa, s, need_dx):
     """dX = dY·W + s·(dY·B)·A,  dA = s·(dY·B)ᵀ·x,  dB = s·dYᵀ·S  (dX only when x needs it)."""
     dt = x.dtype
     dyb = dy @ b.to(dt)                                                       # [M, r]
-    dx = torch.addmm(dyb @ a.to(dt), dy, weight(q, scale, dt), beta=s) if need_dx else None
-    return dx, (dyb.t() @ x).mul_(s).to(a.dtype), (dy.t() @ xa).mul_(s).to(b.dtype)
+    dx = torch.addmm(dyb @ a.to(dt), dy, weight(q, scale, dt), beta=s) if need_dx else None   # [M, K]
+    da = (dyb.t() @ x).mul_(s).to(a.dtype)                                    # [r, K]
+    db = (dy.t() @ xa).mul_(s).to(b.dtype)                                    # [N, r]
+    return dx, da, db
 
 
 # custom ops, not an autograd.Function: torch.compile keeps them in its graph (it traces the fakes)

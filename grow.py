@@ -96,12 +96,16 @@ def param_count(cfg):
     return cfg.n_layer * (weights + norms) + outside_params(cfg)
 
 
-def trainable_count(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
-    """Trainable parameters: the trainable layers, the frozen layers' adapters and, unless frozen
-    (train_embeddings=False after the first stage) or left out, embeddings, head and final norm."""
-    weights, _, norms, adapters = layer_counts(cfg)
-    outside = not layers_only and (train_embeddings or n_frozen == 0)
-    return n_trainable * (weights + norms) + n_frozen * adapters + outside * outside_params(cfg)
+def trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
+    """The sizes (elements) of the trainable tensors: the trainable layers' linears and norms, the
+    frozen layers' adapters A and B and, unless frozen (train_embeddings=False after the first
+    stage) or left out, embeddings, head and final norm."""
+    d, shapes = cfg.n_embd, layer_shapes(cfg)
+    layer = [n * k for n, k in shapes] + [d, d]
+    adapter = [cfg.lora_rank * m for shape in shapes for m in shape] if cfg.lora_rank else []
+    outside = [cfg.vocab_size * d] * (1 if cfg.tie_embeddings else 2) + [d]
+    keep_outside = not layers_only and (train_embeddings or n_frozen == 0)
+    return layer * n_trainable + adapter * n_frozen + (outside if keep_outside else [])
 
 
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True,
@@ -119,7 +123,7 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
         frozen_layer = 2 * (weights + norms)
     else:
         raise ValueError(f"accounting {accounting!r}: use int8 or bf16")
-    total = per_trainable * trainable_count(cfg, n_trainable, n_frozen, train_embeddings, layers_only)
+    total = per_trainable * sum(trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings, layers_only))
     total += n_frozen * frozen_layer
     if not layers_only and not (train_embeddings or n_frozen == 0):   # frozen embeddings stay float
         total += outside_params(cfg) * (4 if accounting == "int8" else 2)
@@ -223,9 +227,9 @@ def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embedding
     (and restart them), grow n_new layers, freeze every layer that is not new (and, unless
     train_embeddings, the embeddings, final norm and head). Every random draw (placement, new
     adapters, stochastic rounding) comes from `seed`, so all ranks make the same ones.
-    -> (indices of the new layers, the merge's sums (model.merge_quality), or None)."""
+    -> the indices of the new layers."""
     g = torch.Generator().manual_seed(seed)
-    merged = model.merge_adapters(rounding, g)
+    model.merge_adapters(rounding, g)
     new_idx = grow(model, n_new, init, where, seed) if n_new else []   # 0: freeze only (ReLoRA)
     cfg = model.config
     for i, block in enumerate(model.layers):
@@ -234,7 +238,7 @@ def next_stage(model, n_new, init="mean", where="upper", seed=0, train_embedding
     cfg.frozen_layers = tuple(i for i in range(cfg.n_layer) if i not in new_idx)
     if not train_embeddings:
         model.freeze_embeddings()
-    return new_idx, merged
+    return new_idx
 
 
 def carried_parameters(model):
@@ -263,7 +267,7 @@ def main(argv):
     model = GPT.from_checkpoint(ckpt, args.ckpt)
     before = model.config.n_layer
     if args.freeze:
-        new_idx, _ = next_stage(model, args.add, args.init, args.where, seed=args.seed)
+        new_idx = next_stage(model, args.add, args.init, args.where, seed=args.seed)
     else:
         new_idx = grow(model, args.add, args.init, args.where, seed=args.seed)
     save_checkpoint(args.out, {"model": model.state_dict(), "model_args": asdict(model.config),

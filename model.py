@@ -24,8 +24,8 @@ class GPTConfig:
     """The model's keys. A run's config (stepgpt/config.py) is these plus the run's own, so each
     model key is declared and checked here alone."""
     block_size: int = 256
-    vocab_size: int = 0             # a run config: 0 takes the data's vocabulary, N is checked against it;
-                                    # a model: the data's, padded up to a multiple of 64 (faster matmuls)
+    vocab_size: int = 0             # rows of the embedding and head: the data's vocabulary padded up
+                                    # to a multiple of 64 (faster matmuls); a run's 0 takes the data's
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
@@ -38,16 +38,13 @@ class GPTConfig:
     frozen_dtype: str = "int8"      # frozen linears: int8 + row scale (ours) or bf16 (the paper's)
     frozen_layers: tuple = ()       # indices of the frozen (+ LoRA) layers; a run's stages set them
     train_embeddings: bool = True   # False: embeddings, final norm and head are frozen too
-    activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
-    loss_chunk: int = 0             # >0: the loss this many tokens at a time, the logits recomputed in
-                                    # the backward, so the full logits and their gradient never exist
 
     def __post_init__(self):
         self.frozen_layers = tuple(sorted(int(i) for i in self.frozen_layers))
         for key in ("block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key}={getattr(self, key)} must be >= 1")
-        for key in ("vocab_size", "ffn_hidden", "loss_chunk"):
+        for key in ("vocab_size", "ffn_hidden"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key}={getattr(self, key)} must be >= 0 (0: {key} is chosen for you)")
         for key in ("rope_theta", "norm_eps", "lora_alpha"):
@@ -74,11 +71,6 @@ class GPTConfig:
 
 
 FROZEN_DTYPES = ("int8", "bf16")
-
-
-def padded_vocab(n):
-    """The model's vocabulary for n token ids: padded up to a multiple of 64 (faster matmuls)."""
-    return 64 * math.ceil(n / 64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,8 +109,6 @@ class FrozenLoRALinear(nn.Module):
         return m
 
     def store(self, w, stochastic=False, generator=None):
-        if w.is_meta:   # a model built on the meta device to count its bytes: the buffers have their shapes
-            return
         if self.weight_scale is None:
             self.weight_q = round_bf16(w, stochastic, generator)
         else:
@@ -140,10 +130,6 @@ class FrozenLoRALinear(nn.Module):
 
     def adapter_update(self):
         return self.lora_scale * (self.lora_b.detach().float() @ self.lora_a.detach().float())   # (out, in)
-
-    def dense_weight(self):
-        """The float weight this layer computes with, adapter included: W + (alpha/r) B A."""
-        return self.stored_weight() + self.adapter_update()
 
     @torch.no_grad()
     def merge(self, rounding="nearest", generator=None):
@@ -205,8 +191,11 @@ def merge_quality(sums):
 
 
 def dense_weight(linear):
-    """Float weight of a trainable nn.Linear or a FrozenLoRALinear (used by merging and growth)."""
-    return linear.dense_weight() if isinstance(linear, FrozenLoRALinear) else linear.weight.detach().float()
+    """The float weight a trainable nn.Linear or a FrozenLoRALinear computes with; for the latter
+    W + (alpha/r) B A, the adapter included (growth copies it, the export writes it)."""
+    if isinstance(linear, FrozenLoRALinear):
+        return linear.stored_weight() + linear.adapter_update()
+    return linear.weight.detach().float()
 
 
 def rope_cache(head_dim, block_size, theta):
@@ -301,9 +290,6 @@ class Block(nn.Module):
         self.attn_norm.weight.requires_grad_(False)
         self.mlp_norm.weight.requires_grad_(False)
 
-    def merge_adapters(self, rounding="nearest", generator=None):
-        return sum(self.linear(name).merge(rounding, generator) for name in LINEARS)
-
 
 # ----------------------------------------------------------------------------------------------
 # the model
@@ -321,6 +307,7 @@ class GPT(nn.Module):
         cos, sin = rope_cache(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.last_merge = None     # the sums of the latest merge_adapters(), for the log (merge_quality)
         self.apply(self._init_weights)
         for block in self.layers:
             for name in RESIDUAL_OUT:  # GPT-2's scaled init keeps the residual stream's variance flat
@@ -335,9 +322,8 @@ class GPT(nn.Module):
         """The model a checkpoint dict (stepgpt.checkpoint.load_checkpoint) holds: its config rebuilds
         the exact module tree (which layers are int8 + LoRA), then the weights load into it."""
         model = cls(GPTConfig.from_dict(ckpt["model_args"]))
-        state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
         try:
-            model.load_state_dict(state)
+            model.load_state_dict(ckpt["model"])
         except RuntimeError as e:
             lines = str(e).strip().splitlines()
             why = (lines[1:] or lines)[0].strip()
@@ -345,9 +331,11 @@ class GPT(nn.Module):
         return model
 
     def merge_adapters(self, rounding="nearest", generator=None):
-        """Fold every frozen layer's adapters into its frozen weights. -> their merge sums, or None."""
-        frozen = self.config.frozen_layers
-        return sum(self.layers[i].merge_adapters(rounding, generator) for i in frozen) if frozen else None
+        """Fold every frozen layer's adapters into its frozen weights and restart them; their merge
+        sums, added up, stay in self.last_merge for the log."""
+        sums = [sum(self.layers[i].linear(name).merge(rounding, generator) for name in LINEARS)
+                for i in self.config.frozen_layers]
+        self.last_merge = sum(sums) if sums else None
 
     def freeze_embeddings(self):
         self.config.train_embeddings = False
@@ -359,21 +347,26 @@ class GPT(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, checkpointing=False, loss_chunk=0):
+        """idx (B, T) -> (logits, loss). Without targets: the last position's logits (B, 1, V) and
+        None. With targets: the logits (B, T, V) and the mean loss; with loss_chunk > 0 the loss only
+        (logits None), computed loss_chunk tokens at a time so the full logits never exist.
+        checkpointing keeps each block's input only and recomputes the block in the backward. Both
+        are a run's settings for saving memory in training (train.py passes them), not the model's."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
         x = self.wte(idx)                                           # (B, T, C)
         for block in self.layers:
-            if self.config.activation_checkpointing and torch.is_grad_enabled():
+            if checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
                 x = block(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None               # inference: last position only
-        if self.config.loss_chunk:
-            return None, chunked_cross_entropy(x, targets, self.lm_head.weight, self.config.loss_chunk)
+        if loss_chunk:
+            return None, chunked_cross_entropy(x, targets, self.lm_head.weight, loss_chunk)
         logits = self.lm_head(x)                                    # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss

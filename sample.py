@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from data.prepare import get_tokenizer
+from data.load import get_tokenizer
 from model import GPT
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import UserError, run_cli

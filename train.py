@@ -9,8 +9,10 @@ n_i layers, the layers trained so far are frozen in int8 behind LoRA adapters, a
 rebuilt over what is still trainable (grow.py). Vanilla training is the same loop with one stage.
 
 Read train() first: setup, build, then the loop (stage boundary, eval and checkpoint, train step,
-log). Every key and its default: GPTConfig (model.py) and TrainConfig (stepgpt/config.py). The
-run's infrastructure (lock, checkpoints, signals, the log line) is in stepgpt/runtime.py.
+log); enter_stage is all that happens at a stage boundary. Every key and its default: GPTConfig
+(model.py) and TrainConfig (stepgpt/config.py). The machinery: checkpoints and resume
+(stepgpt/checkpoint.py), the lock, signals and replica checks (stepgpt/runtime.py), the log line
+and metrics (stepgpt/monitor.py).
 """
 import hashlib
 import math
@@ -24,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import frozen_linear
 import grow
-from data.load import load_data
-from export_hf import load_hf
-from model import GPT, padded_vocab
+from data.load import load_data, model_vocab
+from model import GPT
 from sample import sample_text
-from stepgpt import optim, runtime
-from stepgpt.checkpoint import checkpoint_path, load_checkpoint, resume_checkpoint
+from stepgpt import checkpoint, kernels, monitor, optim, runtime
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
+from stepgpt.hf import load_hf
 
 # ----------------------------------------------------------------------------------------------
 # data
@@ -60,10 +62,10 @@ def batch_seed(seed, split, it, micro):
 # ----------------------------------------------------------------------------------------------
 # optimisation
 
-def configure_optimizer(model, cfg, device, previous=None):
+def configure_optimizer(model, cfg, device, previous=None, carried=()):
     """AdamW over the trainable set: weight decay on matrices, lora_weight_decay on the adapters
-    (0 by default, as LoRA and ReLoRA), none on norms. At a new stage, `previous` is the last
-    stage's optimizer, and STEP's rule (grow.carried_parameters) says whose state carries over."""
+    (0 by default, as LoRA and ReLoRA), none on norms. At a new stage, the `carried` parameters
+    keep the state they had in `previous`, the last stage's optimizer."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n],
                "weight_decay": cfg.weight_decay},
@@ -71,7 +73,6 @@ def configure_optimizer(model, cfg, device, previous=None):
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
-    carried = grow.carried_parameters(model) if previous is not None else []   # STEP's rule
     if cfg.optimizer == "adamw" and not cfg.zero1:
         opt = torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
         opt.state.update({p: previous.state[p] for p in carried if p in previous.state})
@@ -108,14 +109,14 @@ class Run:
     compiled: bool              # torch.compile
     data: dict
     meta: dict
-    vocab_size: int             # the data's, padded to a multiple of 64
+    vocab_size: int             # the model's: the data's, padded to a multiple of 64
     tokens_per_iter: int
     stage_layers: list          # layers added per stage
     stage_iters: list
     depth: list                 # model depth in each stage
     restarts: list              # iterations where the learning rate re-warms: stage starts, ReLoRA restarts
     lock: runtime.OutDirLock
-    log: runtime.Logger = None
+    log: monitor.Logger = None
 
     master = property(lambda self: self.rank == 0)
     total_iters = property(lambda self: sum(self.stage_iters))
@@ -150,7 +151,7 @@ def setup(cfg):
 
 
 def precision(cfg, device):
-    """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (bench/train.py
+    """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (bench/step_time.py
     times its steps the same way)."""
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     if dtype == "bfloat16" and device.type == "cpu":
@@ -187,8 +188,8 @@ def _setup(cfg, ddp, rank, local, world, lock):
             prepare("shakespeare", cfg.data_dir)
         if world > 1:
             dist.barrier()
-    data, meta = load_data(cfg.data_dir, cfg.block_size, cfg.vocab_size)
-    vocab_size = padded_vocab(meta["vocab_size"])
+    data, meta = load_data(cfg.data_dir, cfg.block_size)
+    vocab_size = model_vocab(cfg.vocab_size, meta, cfg.data_dir)
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     stage_layers, stage_iters = grow.stage_plan(cfg, vocab_size, tokens_per_iter)
     starts = [sum(stage_iters[:i]) for i in range(1, len(stage_iters))]
@@ -217,15 +218,16 @@ def build(run):
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
-            path, ckpt = resume_checkpoint(cfg.out_dir, previous=cfg.init_from == "resume_previous")
+            previous = cfg.init_from == "resume_previous"
+            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, previous=previous)
         else:
-            path, ckpt = cfg.init_from, load_checkpoint(cfg.init_from)
+            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from)
         model = GPT.from_checkpoint(ckpt, path)
         if run.master:
             verb = "resuming" if run.resuming else "starting"
             print(f"{verb} from {path} (step {ckpt.get('iter_num', 0)})")
         if run.resuming:
-            changed = runtime.check_resume(path, ckpt, cfg)
+            changed = checkpoint.check_resume(path, ckpt, cfg)
             if changed and run.master:
                 print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly")
             it, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", float("inf"))
@@ -237,21 +239,33 @@ def build(run):
     opt = configure_optimizer(model, cfg, run.device)
     if run.resuming:
         opt.load_state_dict(ckpt["optimizer"])
-        runtime.restore(ckpt, run.device)
-    run.log = runtime.Logger(cfg.out_dir, run.master, truncate_after=it if run.resuming else None)
+        checkpoint.restore(ckpt, run.device)
+    run.log = monitor.Logger(cfg.out_dir, run.master, truncate_after=it if run.resuming else None)
     return model, opt, it, best_val
 
 
-def enter_stage(run, model, opt, stage):
-    """A stage boundary (grow.next_stage: merge, grow, freeze), then a new optimizer over the new
-    trainable set. -> (optimizer, the merge's sums or None)."""
+def enter_stage(run, raw, opt, stage, it):
+    """A stage boundary: STEP's transition (grow.next_stage: merge, grow, freeze), an optimizer over
+    the new trainable set that keeps the state of what carries over (grow.carried_parameters), a
+    check that every rank made the same transition, and the model wrapped anew (compile, DDP) for
+    the new parameter set. -> (optimizer, what the train step calls, what eval calls)."""
     cfg = run.cfg
-    n_new = run.depth[stage] - model.config.n_layer        # 0: the stage only freezes (ReLoRA)
-    _, merged = grow.next_stage(model, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
-                                train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
-    model.to(run.device)
-    runtime.log_stage(run, model, stage, n_new, merged)
-    return configure_optimizer(model, cfg, run.device, previous=opt), merged
+    n_new = run.depth[stage] - raw.config.n_layer          # 0: the stage only freezes (ReLoRA)
+    grow.next_stage(raw, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
+                    train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
+    raw.to(run.device)
+    merged, (tr, fr) = raw.last_merge, raw.num_params()
+    run.log.print(f"== stage {stage + 1}/{len(run.depth)}: grew {n_new} layers ({cfg.grow_init}, "
+                  f"{cfg.grow_where}) to {raw.config.n_layer}; frozen layers "
+                  f"{list(raw.config.frozen_layers)}; trainable {monitor.fmt_count(tr)}, frozen "
+                  f"{monitor.fmt_count(fr)}"
+                  + ("" if merged is None else f"; {monitor.merge_line(merged)}"))
+    opt = configure_optimizer(raw, cfg, run.device, previous=opt, carried=grow.carried_parameters(raw))
+    runtime.check_replicas(run, raw, f"after the growth at step {it}")
+    model, evaluator = wrap(run, raw)
+    if merged is not None:
+        run.log.record(step=it, stage=stage + 1, **monitor.merge_record(merged))
+    return opt, model, evaluator
 
 
 @torch.no_grad()
@@ -268,7 +282,7 @@ def estimate_loss(model, run):
             x, y = get_batch(run.data, split, cfg.batch_size, cfg.block_size,
                              batch_seed(cfg.seed, "eval" + split, k, 0), run.device)
             with run.autocast:
-                losses.append(model(x, y)[1].float())
+                losses.append(model(x, y, loss_chunk=cfg.loss_chunk)[1].float())
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=run.device)
         if run.world > 1:
             dist.all_reduce(total)
@@ -291,7 +305,7 @@ def train_step(run, model, raw, opt, it):
         # one-shot context, so it must hold the forward and the backward of one micro-step together
         with model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
             with run.autocast:   # [1]: the (B, T, V) logits must not outlive the forward
-                loss = model(x, y)[1]
+                loss = model(x, y, checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk)[1]
             (loss / accum).backward()
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
@@ -309,8 +323,9 @@ def wrap(run, raw):
     for the step only (each rank evaluates its share alone). Both must see each new parameter set.
     DDP does not re-broadcast buffers: the frozen int8 weights are identical on every rank by
     construction, and runtime.check_replicas verifies it."""
-    # before torch.compile fixes which path each frozen linear takes
-    runtime.measure_kernels(raw, run.device, run.dtype, run.cfg.batch_size * run.cfg.block_size)
+    # the frozen linears' kernel paths are measured before torch.compile fixes them in its graph
+    kernels.measure_layers(raw, run.cfg.batch_size * run.cfg.block_size, getattr(torch, run.dtype),
+                           (frozen_linear.forward, frozen_linear.backward))
     model = torch.compile(raw) if run.compiled else raw
     if run.world == 1:
         return model, model
@@ -321,7 +336,7 @@ def wrap(run, raw):
 def train(cfg):
     with setup(cfg) as run:
         raw, opt, it, best_val = build(run)   # `raw`: the plain module (growth, saving, sampling)
-        runtime.describe(run)
+        monitor.describe(run)
         if cfg.dry_run:
             return
         runtime.check_replicas(run, raw, "at the start")
@@ -331,31 +346,27 @@ def train(cfg):
             run.log.print(f"eval only | train {losses['train']:.4f} | val {losses['val']:.4f}")
             return
 
-        meter = runtime.Meter(run)
+        meter = monitor.Meter(run)
         resumed_at = it if run.resuming else None
         with runtime.StopRequest() as stop:
             while True:
                 stage = run.stage_of(it)
                 # the stage boundary: every layer of the earlier stages must be frozen
                 if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:
-                    opt, merged = enter_stage(run, raw, opt, stage)
-                    runtime.check_replicas(run, raw, f"after the growth at step {it}")
-                    (model, evaluator), meter.flops_per_iter = wrap(run, raw), None
-                    if merged is not None:
-                        run.log.record(step=it, stage=stage + 1, **runtime.merge_record(merged))
+                    opt, model, evaluator = enter_stage(run, raw, opt, stage, it)
                 elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
-                    merged = optim.relora_restart(raw, opt, cfg, it)
-                    run.log.print(f"== ReLoRA restart at step {it}: {runtime.merge_line(merged)}; adapters "
-                                  f"re-initialised")
+                    optim.relora_restart(raw, opt, cfg, it)
+                    run.log.print(f"== ReLoRA restart at step {it}: {monitor.merge_line(raw.last_merge)}; "
+                                  f"adapters re-initialised")
                     runtime.check_replicas(run, raw, f"after the ReLoRA restart at step {it}")
-                    run.log.record(step=it, stage=stage + 1, **runtime.merge_record(merged))
+                    run.log.record(step=it, stage=stage + 1, **monitor.merge_record(raw.last_merge))
 
                 last = it == run.total_iters or it == cfg.stop_at > 0
                 if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
                     losses = estimate_loss(evaluator, run)
                     best_val = min(best_val, losses["val"])
                     if it > 0:
-                        runtime.save(run, raw, opt, it, best_val)
+                        checkpoint.save(run, raw, opt, it, best_val)
                     saved = " | ckpt saved" if it > 0 else ""
                     run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val "
                                   f"{losses['val']:.4f} (best {best_val:.4f}){saved}")
@@ -374,14 +385,15 @@ def train(cfg):
                 if it % cfg.log_interval == 0:
                     meter.log(it, stage, raw, loss, norm, lr)
                 if stop.requested(run):
-                    runtime.save(run, raw, opt, it, best_val)
+                    checkpoint.save(run, raw, opt, it, best_val)
                     who = stop.signal or "a signal to another rank"
-                    run.log.print(f"stopped by {who} after step {it}: saved "
-                                  f"{checkpoint_path(cfg.out_dir, it)}; continue with --init_from=resume")
+                    saved = checkpoint.checkpoint_path(cfg.out_dir, it)
+                    run.log.print(f"stopped by {who} after step {it}: saved {saved}; continue with "
+                                  f"--init_from=resume")
                     return
 
         cuda = run.device.type == "cuda"
-        peak = f", peak cuda {runtime.fmt_bytes(torch.cuda.max_memory_allocated(run.device))}" if cuda else ""
+        peak = f", peak cuda {monitor.fmt_bytes(torch.cuda.max_memory_allocated(run.device))}" if cuda else ""
         run.log.print(f"done: {run.total_iters} iters, {run.total_iters * run.tokens_per_iter:,} tokens in "
                       f"{(time.time() - meter.t_start) / 60:.1f} min, best val {best_val:.4f}{peak}")
         if run.master and cfg.sample_tokens:

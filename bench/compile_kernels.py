@@ -39,18 +39,18 @@ os.environ["TRITON_ALWAYS_COMPILE"] = "1"       # a cached kernel would skip ptx
 os.environ.pop("TRITON_INTERPRET", None)         # interpreted kernels cannot be compiled
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton import knobs  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from stepgpt.config import load_config  # noqa: E402
-from stepgpt.kernels import frozen_lora  # noqa: E402
+from stepgpt.config import load_config
+from stepgpt.kernels import frozen_lora
 
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}   # bytes per block (opt-in max)
 MAIN_GEMMS = ("_fwd_kernel", "_dx_kernel")

@@ -94,13 +94,13 @@ fi
 step "kernel tests" 24 python -m pytest -q -rfE tests/test_kernels.py "${PYTEST_ARGS[@]}"
 # STEP's last stage against vanilla at 350M width (8 of its 24 layers), as train.py runs: compiled,
 # bf16 autocast, the measured kernel paths (two torch.compiles)
-step "bench/train.py 350M width" 12 python bench/train.py config/step_350m.py "${TRAIN350[@]}"
+step "bench/step_time.py 350M width" 12 python bench/step_time.py config/step_350m.py "${TRAIN350[@]}"
 # the true step peak (max_memory_allocated per step and stage change) beside the plan's bf16 peak, at
 # micro-batches of 4 (350M) and 2 (1B) sequences of random tokens of a 32k vocabulary (eager:
 # nothing to compile but the kernels)
-step "memory 350M" 9 python bench/memory.py --config config/step_350m.py --set "data_dir=$SYNTH/32k" \
+step "memory 350M" 9 python bench/peak_memory.py --config config/step_350m.py --set "data_dir=$SYNTH/32k" \
     "${MEMSET[@]}" "${MEM350[@]}"
-step "memory 1B" 9 python bench/memory.py --config config/step_1b.py --set "data_dir=$SYNTH/32k" \
+step "memory 1B" 9 python bench/peak_memory.py --config config/step_1b.py --set "data_dir=$SYNTH/32k" \
     "${MEMSET[@]}" "${MEM1B[@]}"
 
 rm -rf "$SYNTH"

@@ -26,15 +26,15 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported: Triton reads it then
 os.environ.pop("STEP_LORA_PATH", None)    # the bench names each path itself
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-import frozen_linear  # noqa: E402
-from model import quantize_int8  # noqa: E402
-from stepgpt import kernels  # noqa: E402
-from stepgpt.kernels import frozen_lora  # noqa: E402
+import frozen_linear
+from model import quantize_int8
+from stepgpt import kernels
+from stepgpt.kernels import frozen_lora
 
 MODELS = {"350M": (1024, 2736), "1B": (2048, 5504)}        # hidden, FFN width, as config/step_*.py
 TOKENS = (2048, 8192, 32768)

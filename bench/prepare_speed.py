@@ -19,9 +19,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-from data.prepare import shakespeare_documents  # noqa: E402
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+from data.prepare import shakespeare_documents
 
 
 def make_corpus(folder, mb, files=800, seed=0):

@@ -13,7 +13,7 @@ newest checkpoint, so an interrupted grid continues where it stopped (delete a r
 redo it).
 
 Peak memory: on CUDA the run's own torch.cuda.max_memory_allocated (rank 0); on CPU the true peak of
-the allocator, measured by bench/memory.py's replay of the run (two steps per stage, stage changes
+the allocator, measured by bench/peak_memory.py's replay of the run (two steps per stage, stage changes
 included) at the run's batch size, so activations and logits are in it. Beside it, the
 planner's model-state bytes of the run's peak stage (weights, gradients, AdamW moments, frozen
 store; not GaLore's projected state, which the planner does not model).
@@ -27,14 +27,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-import grow  # noqa: E402
-from bench.memory import measure  # noqa: E402
-from stepgpt.checkpoint import checkpoint_files  # noqa: E402
-from stepgpt.config import load_config  # noqa: E402
-from stepgpt.errors import UserError, run_cli  # noqa: E402
-from model import padded_vocab  # noqa: E402
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+import grow
+from bench.peak_memory import measure
+from data.load import padded_vocab
+from stepgpt.checkpoint import checkpoint_files
+from stepgpt.config import load_config
+from stepgpt.errors import UserError, run_cli
 
 BASES = {"small": "config/step_small.py", "350m": "config/step_350m.py"}
 

@@ -4,7 +4,7 @@
 # step peak is 28.5 GiB, where vanilla training of the same model needs 125.5 GiB with fp32 AdamW
 # and checkpointing, and 65.4 GiB with 8-bit AdamW and checkpointing too (config/vanilla_7b.py):
 #   python plan.py config/step_7b.py
-#   python bench/memory.py --meta config/step_7b.py       # the same state, counted on the meta device
+#   python bench/peak_memory.py --meta config/step_7b.py       # the same state, counted on the meta device
 # Data: FineWeb-Edu in the 32,000-token vocabulary, 135B tokens (20 per parameter):
 #   python data/prepare.py --source=fineweb-edu --max_tokens=135100000000 --vocab_ranks=31999
 out_dir = "out-step-7b"

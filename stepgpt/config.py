@@ -66,13 +66,16 @@ class TrainConfig(GPTConfig):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0              # 0: no clipping
-    # system: how the run executes, not what it computes (RUNTIME_KEYS)
+    # system: how the run executes, not what it computes (checkpoint.RUNTIME_KEYS)
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                 # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = True                # torch.compile on CUDA
     compile_cpu: bool = False           # also on CPU (needs a C++ compiler): 12-18 % faster steps at
                                         # step_small, after ~40 s of compiling at each stage
     zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
+    activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
+    loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
+                                        # the backward, so the full logits and their gradient never exist
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
 
     def __post_init__(self):
@@ -83,8 +86,8 @@ class TrainConfig(GPTConfig):
                     "log_interval", "n_stages", "keep_checkpoints", "galore_rank", "galore_update_proj_gap"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key}={getattr(self, key)} must be >= 1")
-        for key in ("sync_check_every", "warmup_iters", "stage_warmup_iters", "relora_every", "stop_at",
-                    "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
+        for key in ("sync_check_every", "loss_chunk", "warmup_iters", "stage_warmup_iters", "relora_every",
+                    "stop_at", "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
                     "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale"):
             v, positive = getattr(self, key), key in ("learning_rate", "galore_scale")
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
@@ -141,14 +144,6 @@ class TrainConfig(GPTConfig):
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
            "optimizer": ("adamw", "adamw8bit", "galore"), "grow_init": grow.INITS,
            "grow_where": grow.PLACEMENTS}
-# keys a run may change when it resumes without changing what it computes
-RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
-                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every",
-                "activation_checkpointing", "loss_chunk"}
-# keys that fix the model and its stages: a checkpoint resumes only under the same values
-STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
-
-
 def _coerce(key, value, default):
     if isinstance(default, bool) or not isinstance(default, (int, float)):
         seq = (list, tuple)

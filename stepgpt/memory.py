@@ -1,21 +1,15 @@
 """The memory model beyond the paper's Eq. 1-3 (grow.py): 8-bit AdamW state, ZeRO-1, the
-activations autograd saves, the peak of a whole training step, the cheapest plan under a budget;
-and the plan table of a config.
+activations autograd saves, the peak of a whole training step, the cheapest plan under a budget.
+plan.py prints them for a config.
 
-  python plan.py config/step_1b.py [--stages K] [--rank r] [--budget 6e9] [--world 8] [--layers_only]
-
-Counts are in our fp32 accounting unless an `accounting` says "bf16" (the paper's). bench/memory.py
+Counts are in our fp32 accounting unless an `accounting` says "bf16" (the paper's). bench/peak_memory.py
 measures what these functions predict (the allocator on CPU, max_memory_allocated on CUDA).
 """
-import argparse
 import math
-import os
 
 import grow
-from data.load import check_vocab, read_meta
-from model import padded_vocab
-from stepgpt.config import load_config
 from stepgpt.errors import UserError
+
 
 def trainable_bytes(accounting, zero_world=1):
     """Bytes per trainable parameter: weight and gradient, plus the optimizer's share, which ZeRO-1
@@ -39,18 +33,6 @@ def adamw8bit_state_bytes(numel):
     return 2 * numel + 2 * 4 * math.ceil(numel / ADAMW8BIT_BLOCK)
 
 
-def trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings=True, layers_only=False):
-    """The sizes (elements) of the trainable tensors: the trainable layers' linears and norms, the
-    frozen layers' adapters A and B and, unless frozen (train_embeddings=False after the first
-    stage) or left out, embeddings, head and final norm."""
-    d = cfg.n_embd
-    layer = [n * k for n, k in grow.layer_shapes(cfg)] + [d, d]
-    adapter = [cfg.lora_rank * m for shape in grow.layer_shapes(cfg) for m in shape] if cfg.lora_rank else []
-    outside = [cfg.vocab_size * d] * (1 if cfg.tie_embeddings else 2) + [d]
-    keep_outside = not layers_only and (train_embeddings or n_frozen == 0)
-    return layer * n_trainable + adapter * n_frozen + (outside if keep_outside else [])
-
-
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True,
                 layers_only=False, zero_world=1, optimizer="adamw"):
     """grow.state_bytes with the optimizer's state as it is run: with zero_world > 1 per rank under
@@ -65,7 +47,7 @@ def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_e
     if accounting != "int8" or zero_world != 1:
         raise ValueError("adamw8bit is counted in the int8 accounting, without ZeRO-1 (train.py refuses "
                          "both)")
-    sizes = trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings, layers_only)
+    sizes = grow.trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings, layers_only)
     books = ADAMW8BIT_CODEBOOKS * (max(sizes) >= ADAMW8BIT_MIN_SIZE)
     moments = sum(8 * n + adamw8bit_state_bytes(n) for n in sizes)   # fp32 weight and gradient, 8-bit moments
     return grow.state_bytes(*args, per_trainable=0) + moments + books
@@ -94,7 +76,7 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     norm and the lm_head's input copy (6C), the fp32 log-softmax, its gradient and the logits'
     gradient in fp32 and bf16 (14V). Checkpointing keeps each layer's fp32 input (4C) and, at the
     recomputed layer, its activations and their gradients (44C + 16F). Derived from what each op
-    saves, not fitted: bench/memory.py --device cuda measures it (bench/RESULTS.md)."""
+    saves, not fitted: bench/peak_memory.py --device cuda measures it (bench/RESULTS.md)."""
     C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
     layers, share = n_trainable + n_frozen, min(loss_chunk, tokens) / tokens if loss_chunk else 1
     if dtype == "float32":
@@ -126,7 +108,7 @@ def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, c
     linears' weights and of the head's, which the backward holds (2 B each)."""
     state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, optimizer=optimizer,
                         zero_world=zero_world)
-    sizes = trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings)
+    sizes = grow.trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings)
     grads = 4 * sum(sizes)
     act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk, dtype)
     if dtype == "bfloat16":
@@ -139,11 +121,17 @@ def configured_peaks(tcfg, cfg, stage_layers, dtype):
     """The step peak of each stage of the run config tcfg as it is configured (micro-batch,
     checkpointing, chunked loss, optimizer) for the final model cfg, in `dtype` ("bfloat16": bf16
     autocast, how a CUDA run trains)."""
-    optimizer = "adamw8bit" if tcfg.optimizer == "adamw8bit" else "adamw"   # GaLore as the AdamW it wraps
+    optimizer = planned_optimizer(tcfg)
     frozen = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
     return [step_peak_bytes(cfg, n, f, tcfg.batch_size * tcfg.block_size, tcfg.train_embeddings or f == 0,
                             tcfg.activation_checkpointing, tcfg.loss_chunk, optimizer=optimizer, dtype=dtype)
             for n, f in zip(stage_layers, frozen)]
+
+
+def planned_optimizer(cfg):
+    """The optimizer the planner counts for a run config: adamw8bit as it is, GaLore as the AdamW it
+    wraps."""
+    return "adamw8bit" if cfg.optimizer == "adamw8bit" else "adamw"
 
 
 GPU_BYTES = 80e9   # the GPUs the shipped configs are for (H100/A100 80 GB), of which 10 % stay free
@@ -174,132 +162,3 @@ def smallest_plan(cfg, target_layers, budget, choices, max_stages=8, **kw):
     raise UserError(f"no plan of up to {min(max_stages, target_layers)} stages fits {budget / 2**30:.2f} "
                     f"GiB (the best needs {best / 2**30:.2f} GiB of model state); raise the budget or lower "
                     f"lora_rank")
-
-
-def cpu_memory_timeline(fn):
-    """Run fn() and record the CPU tensor memory it allocates, from the profiler's record of every
-    allocation and free (not from a list of tensors we think exist). -> [(time.time_ns(), bytes
-    live)], one entry per event. The timeline is a private torch API (torch 2.13); CUDA has
-    torch.cuda.max_memory_allocated instead."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        fn()
-    live, out = 0, [(0, 0)]
-    for t, action, _, size in prof._memory_profile().timeline:
-        if action in (Action.CREATE, Action.PREEXISTING):
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        out.append((t, live))
-    return out
-
-
-def measure_cpu_memory(fn):
-    """-> (peak bytes, bytes still allocated when fn returns) of fn()'s CPU tensor allocations."""
-    timeline = cpu_memory_timeline(fn)
-    return max(b for _, b in timeline), timeline[-1][1]
-
-
-
-
-# ----------------------------------------------------------------------------------------------
-# the plan table of a config (python plan.py CONFIG)
-
-def data_vocab(cfg, override=0):
-    """-> (the model's padded vocabulary, where the number comes from): --vocab, else the prepared
-    data's meta.json, else the config's vocab_size, else data/prepare.py's default tokenizer, said
-    as an assumption."""
-    if override:
-        return padded_vocab(override), f"--vocab {override}"
-    if os.path.isfile(os.path.join(cfg.data_dir, "meta.json")):
-        n = check_vocab(cfg.vocab_size, read_meta(cfg.data_dir), cfg.data_dir)
-        return padded_vocab(n), f"{n} tokens in {os.path.join(cfg.data_dir, 'meta.json')}"
-    if cfg.vocab_size:
-        return padded_vocab(cfg.vocab_size), f"{cfg.vocab_size} tokens, the config's vocab_size"
-    from data.prepare import DEFAULT_VOCAB_RANKS
-    n = DEFAULT_VOCAB_RANKS + 1
-    return padded_vocab(n), (f"{n} tokens assumed: {cfg.data_dir} is not prepared and data/prepare.py's "
-                             f"default tokenizer has {n}; --vocab N for another")
-def plan_table(args):
-    tcfg = load_config([args.config] + ([f"--lora_rank={args.rank}"] if args.rank else []))
-    target = grow.final_depth(tcfg)
-    vocab, source = data_vocab(tcfg, args.vocab)
-    cfg = grow.model_config(tcfg, target, vocab)
-    emb, only = tcfg.train_embeddings, args.layers_only
-    act = dict(checkpointing=tcfg.activation_checkpointing, loss_chunk=tcfg.loss_chunk)
-    lean = dict(checkpointing=True, loss_chunk=tcfg.block_size)
-    tokens = tcfg.batch_size * tcfg.block_size
-    scope = "the layers only, as the paper's Eq. 2-3" if only else "every tensor"
-    vanilla = state_bytes(cfg, target, 0, layers_only=only)   # 16 B per parameter
-    gib = 2**30
-    print(f"{args.config}: {target} layers, n_embd {cfg.n_embd}, ffn {cfg.ffn_hidden}, vocab "
-          f"{cfg.vocab_size} ({source}), {grow.param_count(cfg) / 1e6:.1f}M parameters, lora rank "
-          f"{cfg.lora_rank}, embeddings {'trainable' if emb else 'frozen'} in later stages")
-    full_vanilla = [step_peak_bytes(cfg, target, 0, tokens, **a) / gib for a in (act, lean)]
-    print(f"vanilla (every parameter trained, fp32 AdamW state: 16 B each): {vanilla / gib:.3f} GiB of "
-          f"model state, counting {scope}; full peak {full_vanilla[0]:.2f} GiB, ckpt+chunk "
-          f"{full_vanilla[1]:.2f} GiB")
-    layers, _ = grow.stage_plan(tcfg, vocab, tokens)
-    peaks = configured_peaks(tcfg, cfg, layers, "bfloat16")
-    vanilla_peak = configured_peaks(tcfg, cfg, [target], "bfloat16")[0]
-    stage_peaks = " ".join(f"{p / gib:.1f}" for p in peaks)
-    print(f"as configured, on CUDA (bf16 autocast, micro-batch {tcfg.batch_size} x {tcfg.block_size}, "
-          f"activation_checkpointing={tcfg.activation_checkpointing}, loss_chunk={tcfg.loss_chunk}, "
-          f"optimizer {tcfg.optimizer}): stages {layers}, step peak {stage_peaks} GiB, at most "
-          f"{max(peaks) / 1e9:.1f} GB; vanilla {vanilla_peak / gib:.1f} GiB ({vanilla_peak / 1e9:.1f} GB); "
-          f"an {GPU_BYTES / 1e9:.0f} GB GPU keeps 10 % free below {0.9 * GPU_BYTES / 1e9:.0f} GB")
-    print(f"full peak: the peak stage's training step with activations in fp32 at micro-batch "
-          f"{tcfg.batch_size} x {tcfg.block_size} (activation_checkpointing={tcfg.activation_checkpointing}, "
-          f"loss_chunk={tcfg.loss_chunk}; every tensor); 'ckpt+chunk': the same with "
-          f"activation_checkpointing=True and loss_chunk={tcfg.block_size}; 'bf16': the config's own "
-          f"activation keys, bf16 autocast\n")
-    stages = [args.stages] if args.stages else sorted({k for k in (2, 3, 4, grow.stage_count(tcfg))
-                                                       if 1 < k <= target})
-    print(f"{'setting':<22} {'K':>2}  {'layers':<18} {'stage state (GiB)':<30} {'peak GiB':>8}  "
-          f"{'vs vanilla':>10}  {'vs vanilla, same setting':>24}  {'full peak GiB':>13} {'ckpt+chunk':>10} "
-          f"{'bf16':>6}")
-    for name, skw in settings(args.world):
-        same = state_bytes(cfg, target, 0, layers_only=only, **skw)
-        for k in stages:
-            kw = dict(train_embeddings=emb, layers_only=only, **skw)
-            layers = grow.plan_stages(cfg, target, k, state_bytes, **kw)
-            mem = grow.stage_memory(cfg, layers, state_bytes, **kw)
-            full = f"{'-':>13} {'-':>10} {'-':>6}"   # the paper's own activations: not modelled
-            if skw["accounting"] == "int8":
-                frozen = [sum(layers[:i]) for i in range(k)]
-                opt = {key: v for key, v in skw.items() if key != "accounting"}
-                peaks = [max(step_peak_bytes(cfg, n, f, tokens, emb or f == 0, **a, **opt)
-                             for n, f in zip(layers, frozen)) for a in (act, lean)]
-                bf16 = max(step_peak_bytes(cfg, n, f, tokens, emb or f == 0, **act, **opt, dtype="bfloat16")
-                           for n, f in zip(layers, frozen))
-                full = f"{peaks[0] / gib:13.2f} {peaks[1] / gib:10.2f} {bf16 / gib:6.2f}"
-            peak = max(mem)
-            print(f"{name:<22} {k:>2}  {str(layers):<18} {' '.join(f'{m / gib:.2f}' for m in mem):<30} "
-                  f"{peak / gib:8.2f}  {-100 * (1 - peak / vanilla):9.1f}%  {-100 * (1 - peak / same):23.1f}%"
-                  f"  {full}")
-    if args.budget:
-        choices = [c for c in settings(args.world) if c[0] != "paper bf16"]
-        k, name, layers, peak = smallest_plan(cfg, target, args.budget, choices, train_embeddings=emb,
-                                              layers_only=only)
-        keys = {"int8": "", "int8 + 8-bit AdamW": " --optimizer=adamw8bit"}.get(
-            name, f" --zero1=True on {args.world} ranks")
-        print(f"\nbudget {args.budget / gib:.2f} GiB of model state: the cheapest plan that fits is K = {k} "
-              f"with {name}, layers {layers}, {peak / gib:.2f} GiB (train with "
-              f"--stage_layers={layers}{keys})")
-
-
-def main(argv):
-    p = argparse.ArgumentParser(prog="plan.py", description="STEP stage plan and memory table")
-    p.add_argument("config")
-    p.add_argument("--stages", type=int, default=0, help="K (default: 2 and 3, and the config's)")
-    p.add_argument("--rank", type=int, default=0, help="LoRA rank (default: the config's)")
-    p.add_argument("--vocab", type=int, default=0,
-                   help="vocabulary size (default: the config's data; 32000 for the paper's LLaMA tokenizer)")
-    p.add_argument("--budget", type=float, default=0,
-                   help="bytes of model state: the fewest stages that fit, then int8, 8-bit AdamW, ZeRO-1")
-    p.add_argument("--world", type=int, default=8, help="ranks of the ZeRO-1 rows (1: leave them out)")
-    p.add_argument("--layers_only", action="store_true", help="count the layers only, as the paper's Eq. 2-3")
-    plan_table(p.parse_args(argv))
-

@@ -84,12 +84,11 @@ def state_dict(opt):
 
 
 def relora_restart(model, opt, cfg, it):
-    """ReLoRA inside a stage: merge the adapters into the frozen weights, restart them and their
-    optimizer state. -> the merge's sums."""
+    """ReLoRA inside a stage: merge the adapters into the frozen weights (the merge's sums in
+    model.last_merge), restart them and their optimizer state."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-    merged = model.merge_adapters(cfg.merge_rounding, g)
+    model.merge_adapters(cfg.merge_rounding, g)
     reset_adapter_state(model, opt, cfg.relora_prune)
-    return merged
 
 
 def reset_adapter_state(model, opt, prune=1.0):

@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import write_dataset
+
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,10 +54,10 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
 
 
 def test_memory_table(tmp_path):
-    """bench/memory.py as its docstring runs it, scaled down: a row per stage and phase, the
+    """bench/peak_memory.py as its docstring runs it, scaled down: a row per stage and phase, the
     planned peak beside the measured one, STEP's run peak below vanilla's."""
     write_dataset(str(tmp_path), vocab=8192)
-    out = run("bench/memory.py", "--only", "vanilla,step2", "--modes", "plain", "--set", "batch_size=1",
+    out = run("bench/peak_memory.py", "--only", "vanilla,step2", "--modes", "plain", "--set", "batch_size=1",
               "--set", f"data_dir={tmp_path}")
     rows = [r.split("|")[1:-1] for r in out.splitlines()
             if r.startswith("| vanilla") or r.startswith("| step2")]
@@ -68,7 +72,7 @@ def test_memory_table(tmp_path):
     cfg = tmp_path / "c.py"
     cfg.write_text(f"data_dir = {str(tmp_path)!r}\nn_embd = 64\nn_head = 2\nstage_layers = [2, 2]\n"
                    f"block_size = 32\n")
-    out = run("bench/memory.py", "--config", str(cfg), "--only", "step3", "--modes", "ckpt",
+    out = run("bench/peak_memory.py", "--config", str(cfg), "--only", "step3", "--modes", "ckpt",
               "--set", "batch_size=1")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step3")]
     assert [r[2].strip() for r in rows] == [f"{s} {p}" for s in (1, 2, 3) for p in ("stage change", "step")]
@@ -76,11 +80,11 @@ def test_memory_table(tmp_path):
 
 
 def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
-    """bench/memory.py --meta as its docstring runs it: at 350M, 1B and 7B, for AdamW and (where
+    """bench/peak_memory.py --meta as its docstring runs it: at 350M, 1B and 7B, for AdamW and (where
     bitsandbytes is installed) 8-bit AdamW, every stage's model built on the meta device holds
     exactly the planned model state plus the RoPE tables, which the plan leaves out."""
     import importlib.util
-    out = run("bench/memory.py", "--meta", "config/step_350m.py,config/step_1b.py,config/step_7b.py")
+    out = run("bench/peak_memory.py", "--meta", "config/step_350m.py,config/step_1b.py,config/step_7b.py")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step_")]
     optimizers = ["adamw", "adamw8bit"] if importlib.util.find_spec("bitsandbytes") else ["adamw"]
     assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
@@ -109,15 +113,15 @@ def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
 
 
 def test_train_step_time_bench_as_the_readme_runs_it():
-    """bench/train.py's two README forms, scaled down in depth, batch and length only."""
+    """bench/step_time.py's two README forms, scaled down in depth, batch and length only."""
     import re
-    small = run("bench/train.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2",
+    small = run("bench/step_time.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2",
                 "--steps", "1", "--warmup", "1")
     assert "| STEP, 1 of 2 frozen" in small and "| vanilla" in small
     ratio = re.search(r"STEP / vanilla step time: (\d+\.\d{3}) measured; "
                       r"(\d\.\d{3}) in training matmul FLOPs", small)
     assert ratio and 0 < float(ratio.group(2)) < 1
-    wide = run("bench/train.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8",
+    wide = run("bench/step_time.py", "config/step_350m.py", "--layers", "2", "--batch", "1", "--block", "8",
                "--vocab", "256", "--windows", "1", "--steps", "1", "--warmup", "0")
     assert "n_embd 1024, ffn 2736, lora rank 64, vocab 256; batch 1 x 8 tokens" in wide
 
@@ -137,19 +141,16 @@ def test_gpu_check_smoke_runs_every_command(tmp_path):
 
 
 def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):
-    """bench/train.py takes train.py's precision, TF32 and compile settings; with the interpreter
+    """bench/step_time.py takes train.py's precision, TF32 and compile settings; with the interpreter
     standing in for the GPU, the frozen layers run the Triton kernels inside the timed steps (no
     warm-up: every step is timed)."""
-    import importlib.util
+    from bench import step_time
     from stepgpt import kernels
-    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(ROOT, "bench", "train.py"))
-    bench_train = importlib.util.module_from_spec(spec)   # bench/train.py, beside the trainer train.py
-    spec.loader.exec_module(bench_train)
     monkeypatch.setenv("STEP_KERNELS", "triton")
     calls = []
     forward = kernels.forward
     monkeypatch.setattr(kernels, "forward", lambda *a: calls.append(a[0]) or forward(*a))
-    bench_train.main(["--layers", "2", "--batch", "2", "--block", "16", "--windows", "1", "--steps", "1",
+    step_time.main(["--layers", "2", "--batch", "2", "--block", "16", "--windows", "1", "--steps", "1",
                       "--warmup", "0", "--set", "device=cpu"])
     assert calls and set(calls) <= set(kernels.PATHS)
     assert "cpu, float32, torch" in capsys.readouterr().out

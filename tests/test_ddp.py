@@ -12,6 +12,8 @@ from stepgpt.checkpoint import load_checkpoint
 from stepgpt.config import load_config
 from tests.helpers import write_dataset
 
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 micro-steps per rank on 2 ranks (4 in all), a growth at step 6, ReLoRA restarts at 8 and 10
 TINY = ["--device=cpu",

@@ -1,6 +1,6 @@
-"""The pipeline after pre-training, at tiny size: instruction tuning with TRL (bench/sft.py),
-evaluation with lm-eval on the local tasks (bench/lm_eval_tasks, bench/val_docs.py), and the
-vanilla-vs-STEP comparison that runs them all (bench/downstream.py). TRL and lm-eval run as the
+"""The pipeline after pre-training, at tiny size: instruction tuning with TRL (downstream/sft.py),
+evaluation with lm-eval on the local tasks (downstream/lm_eval_tasks, downstream/val_docs.py), and the
+vanilla-vs-STEP comparison that runs them all (downstream/compare.py). TRL and lm-eval run as the
 commands show, in subprocesses started outside the repository; models of 2 layers, width 32, on
 text prepared from the tiny instruction set."""
 import ast
@@ -11,15 +11,16 @@ import shlex
 import textwrap
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 
 import pytest
 import transformers
 
 import train
-from bench import sft
+from downstream import sft
 from stepgpt.config import load_config
 from data.prepare import prepare
+
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPACA = os.path.join(ROOT, "tests", "data", "alpaca_tiny.json")
@@ -78,7 +79,7 @@ def test_prompt_is_masked_from_the_loss(runs, tmp_path):
 
 
 def test_sft_writes_a_model_transformers_loads(runs, tmp_path):
-    proc = run("bench/sft.py", str(runs / "hf-step"), ALPACA, "sft", "--epochs", "1", cwd=tmp_path)
+    proc = run("downstream/sft.py", str(runs / "hf-step"), ALPACA, "sft", "--epochs", "1", cwd=tmp_path)
     assert re.search(r"wrote sft: 132 examples x 1 epochs, 17 steps, loss [\d.]+ -> [\d.]+", proc.stdout)
     assert sorted(os.listdir(tmp_path)) == ["sft"]
     summary = json.loads((tmp_path / "sft" / "sft.json").read_text())
@@ -109,30 +110,30 @@ def test_sft_writes_a_model_transformers_loads(runs, tmp_path):
 def test_sft_bad_data_is_a_one_line_error(runs, tmp_path, content, error):
     if content is not None:
         (tmp_path / "alpaca.json").write_text(content)
-    proc = run("bench/sft.py", str(runs / "hf-step"), "alpaca.json", "sft", cwd=tmp_path, ok=False)
+    proc = run("downstream/sft.py", str(runs / "hf-step"), "alpaca.json", "sft", cwd=tmp_path, ok=False)
     assert proc.stderr.startswith("error: ") and re.search(error, proc.stderr), proc.stderr
     assert proc.stderr.count("\n") == 1 and "Alpaca's format" in proc.stderr
 
 
 def test_sft_bad_model_folder(runs, tmp_path):
-    proc = run("bench/sft.py", str(runs / "step"), ALPACA, "sft", cwd=tmp_path, ok=False)
+    proc = run("downstream/sft.py", str(runs / "step"), ALPACA, "sft", cwd=tmp_path, ok=False)
     assert "has no config.json: give a folder written by export_hf.py" in proc.stderr
     os.makedirs(tmp_path / "sft")
-    proc = run("bench/sft.py", str(runs / "hf-step"), ALPACA, "sft", cwd=tmp_path, ok=False)
+    proc = run("downstream/sft.py", str(runs / "hf-step"), ALPACA, "sft", cwd=tmp_path, ok=False)
     assert proc.stderr == "error: sft exists: remove it or choose another output folder\n"
 
 
 # -- the pipeline's commands -----------------------------------------------------------------------
 
 def pipeline_commands():
-    """The commands the README gives for one model (the same as bench/downstream.py's docstring),
+    """The commands the README gives for one model (the same as downstream/compare.py's docstring),
     continuation lines joined."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     block = readme.split("For one model the\nsteps are these commands:")[1]
     block = block.split("```bash\n")[1].split("```")[0]
-    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "bench", "downstream.py")).read()))
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "downstream", "compare.py")).read()))
     in_doc = doc.split("The pipeline it runs for each model")[1].split("\n\n")[1]
-    assert block.strip() == textwrap.dedent(in_doc).strip(), "README and downstream.py's docstring differ"
+    assert block.strip() == textwrap.dedent(in_doc).strip(), "README and compare.py's docstring differ"
     return [shlex.split(line) for line in block.replace("\\\n", "").splitlines()]
 
 
@@ -142,7 +143,7 @@ def test_pipeline_commands(runs, tmp_path):
     os.symlink(runs / "step", tmp_path / "out-step-small")
     os.makedirs(tmp_path / "data")
     os.symlink(runs / "data", tmp_path / "data" / "shakespeare")
-    for name in ("bench", "tests"):
+    for name in ("downstream", "tests"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     commands = pipeline_commands()
     assert [c[0] if c[0] == "python" else c[2] for c in commands] == ["python", "python", "lm_eval", "python",
@@ -175,10 +176,10 @@ def lm_eval_table(stdout):
 # -- the comparison ------------------------------------------------------------------------------
 
 def test_downstream_table_parity_and_rerun(runs, tmp_path):
-    """bench/downstream.py as its docstring runs it, scaled down (tiny runs, one epoch of tuning):
+    """downstream/compare.py as its docstring runs it, scaled down (tiny runs, one epoch of tuning):
     a row per model before and after tuning; lm-eval's bits per byte of each pre-trained export
     equals ours on the same documents to 1e-4 (relative); a second run redoes nothing."""
-    argv = ["bench/downstream.py", str(runs / "vanilla"), str(runs / "step"), "--sft_args=--epochs 1",
+    argv = ["downstream/compare.py", str(runs / "vanilla"), str(runs / "step"), "--sft_args=--epochs 1",
             f"--out={tmp_path / 'ds'}"]
     first = run(*argv, cwd=tmp_path).stdout
     results = json.loads((tmp_path / "ds" / "results.json").read_text())
@@ -194,14 +195,14 @@ def test_downstream_table_parity_and_rerun(runs, tmp_path):
     table = (tmp_path / "ds" / "table.md").read_text().splitlines()
     assert table[0].startswith("| model | val bits/byte, ours | SFT loss") and len(table) == 6
     assert table[2] in first
-    assert ET.parse(tmp_path / "ds" / "downstream.svg").getroot().tag.endswith("svg")
+    assert (tmp_path / "ds" / "downstream.png").read_bytes().startswith(b"\x89PNG")
     again = run(*argv, cwd=tmp_path).stdout
     assert again.count("done before") == 8 and table[5] in again
 
 
 def test_downstream_errors(runs, tmp_path):
-    proc = run("bench/downstream.py", str(runs / "vanilla"), str(runs / "step"), "--scale", "350m",
+    proc = run("downstream/compare.py", str(runs / "vanilla"), str(runs / "step"), "--scale", "350m",
                cwd=tmp_path, ok=False)
     assert "--scale 350m needs --sft_data" in proc.stderr
-    proc = run("bench/downstream.py", str(runs / "vanilla"), str(tmp_path / "none"), cwd=tmp_path, ok=False)
+    proc = run("downstream/compare.py", str(runs / "vanilla"), str(tmp_path / "none"), cwd=tmp_path, ok=False)
     assert proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1

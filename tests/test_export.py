@@ -17,11 +17,13 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402  (comes with transformers)
 
 import export_hf  # noqa: E402
+from stepgpt.hf import load_hf, read_hf  # noqa: E402
 import train  # noqa: E402
 from stepgpt.checkpoint import load_checkpoint  # noqa: E402
 from stepgpt.config import load_config  # noqa: E402
 from stepgpt.errors import UserError  # noqa: E402
-from data.prepare import CACHE_DIR, get_tokenizer, shakespeare_documents  # noqa: E402
+from data.load import get_tokenizer  # noqa: E402
+from data.prepare import CACHE_DIR, shakespeare_documents  # noqa: E402
 from model import GPT, FrozenLoRALinear  # noqa: E402
 from tests.helpers import write_dataset  # noqa: E402
 
@@ -121,7 +123,7 @@ def test_bf16_export_is_the_fp32_export_rounded(runs):
     assert transformers.LlamaForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16   # config.json's dtype
     # read back into our model (fp32), it computes what transformers computes with the bf16 weights in fp32
     hf = transformers.LlamaForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()
-    ours = export_hf.load_hf(bf16, train_model_config(runs)).eval()
+    ours = load_hf(bf16, train_model_config(runs)).eval()
     x = prompts()
     with torch.no_grad():
         assert (hf(x).logits - ours(x, x)[0]).abs().max() < 1e-4
@@ -165,7 +167,7 @@ def test_import_reads_sharded_safetensors(runs, tmp_path):
         json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
     with open(os.path.join(out, "config.json")) as f, open(tmp_path / "sharded" / "config.json", "w") as g:
         g.write(f.read())
-    model = export_hf.load_hf(str(tmp_path / "sharded"), train_model_config(runs))
+    model = load_hf(str(tmp_path / "sharded"), train_model_config(runs))
     assert all(torch.equal(v, tensors[k]) for k, v in export_hf.hf_state_dict(model).items())
 
 
@@ -219,6 +221,7 @@ def test_a_folder_that_does_not_fit_the_config_names_the_first_field(runs, tmp_p
     assert str(e.value).startswith(f"hf:{folder} does not fit the run's config: {message}")
 
 
+@pytest.mark.slow
 def test_a_misfit_is_one_line_from_the_cli(runs, tmp_path):
     _, out = exported(runs, "vanilla")
     proc = subprocess.run([sys.executable, "train.py", *TINY, f"--data_dir={runs / 'data'}",
@@ -232,21 +235,22 @@ def test_bad_folders(runs, tmp_path):
     _, out = exported(runs, "vanilla")
     cfg = train_model_config(runs)
     with pytest.raises(UserError, match="is not a Hugging Face model folder"):
-        export_hf.load_hf(str(tmp_path), cfg)
+        load_hf(str(tmp_path), cfg)
     with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight is missing"):
-        export_hf.load_hf(edited(out, tmp_path / "a", drop="model.layers.1.mlp.up_proj.weight"), cfg)
+        load_hf(edited(out, tmp_path / "a", drop="model.layers.1.mlp.up_proj.weight"), cfg)
     os.remove(os.path.join(edited(out, tmp_path / "b"), "model.safetensors"))
     with pytest.raises(UserError, match="has no model.safetensors"):
-        export_hf.load_hf(str(tmp_path / "b"), cfg)
+        load_hf(str(tmp_path / "b"), cfg)
     damaged = edited(out, tmp_path / "c")
     with open(os.path.join(damaged, "model.safetensors"), "r+b") as f:
         f.truncate(1000)   # a partial copy
     with pytest.raises(UserError, match="cannot read model.safetensors"):
-        export_hf.load_hf(damaged, cfg)
+        load_hf(damaged, cfg)
     with pytest.raises(UserError, match="use 'scratch', .* or hf:PATH"):
         load_config([f"--init_from=hf:{tmp_path / 'nowhere'}"])
 
 
+@pytest.mark.slow
 def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, tmp_path, monkeypatch):
     model, out = exported(runs, "vanilla")
     proc = subprocess.run([sys.executable, "export_hf.py", str(runs / "vanilla"), out], cwd=ROOT,
@@ -271,7 +275,7 @@ def test_missing_packages_name_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)   # import fails as if not installed
     with pytest.raises(UserError,
                        match=r"need the safetensors package: pip install -r requirements-test.txt"):
-        export_hf.read_hf(".")
+        read_hf(".")
 
 
 # -- the tokenizer -------------------------------------------------------------------------------
@@ -361,6 +365,7 @@ def readme_section():
     return text[start:end if end > 0 else None]
 
 
+@pytest.mark.slow
 def test_readme_commands(runs, tmp_path):
     """The export commands, the Python snippet and the train command as the README gives them, in a
     folder holding a tiny run under the README's name; the train command scaled down in size."""

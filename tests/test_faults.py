@@ -12,11 +12,13 @@ import time
 import pytest
 import torch
 
-from stepgpt import checkpoint, runtime
+from stepgpt import checkpoint
 import train
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
+
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--device=cpu",
@@ -29,18 +31,18 @@ RUN = ["--device=cpu",
 SLOW_SAVE = (
     "import os, sys, time\n"
     f"sys.path.insert(0, {ROOT!r})\n"
-    "import train\nfrom stepgpt import checkpoint, errors, runtime\n"
+    "import train\nfrom stepgpt import checkpoint, errors\n"
     "write, saves = checkpoint._HashingWriter.write, []\n"
     "def slow(self, b):\n"
     "    if not saves:\n"
     "        open(os.environ['SAVE_MARK'], 'w').close()\n"
     "        time.sleep(0.02)\n"
     "    return write(self, b)\n"
-    "save = runtime.save_checkpoint\n"
+    "save = checkpoint.save_checkpoint\n"
     "def counted(*a, **k):\n"
     "    save(*a, **k)\n"
     "    saves.append(1)\n"
-    "checkpoint._HashingWriter.write, runtime.save_checkpoint = slow, counted\n"
+    "checkpoint._HashingWriter.write, checkpoint.save_checkpoint = slow, counted\n"
     "errors.run_cli(train.main)\n")
 
 
@@ -144,7 +146,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straigh
             saves.append(path)
 
     monkeypatch.setattr(checkpoint._HashingWriter, "write", disk_fills_up)
-    monkeypatch.setattr(runtime, "save_checkpoint", counting_save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", counting_save)
     with pytest.raises(UserError, match=r"could not write checkpoint .*ckpt-00000018.pt "
                                         r"\(No space left on device\); "
                                         r".*ckpt-00000012.pt is intact: free space, then resume"):

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import grow
+import plan
 import train
+from data.load import padded_vocab, planned_vocab
+from model import GPT, LINEARS, dense_weight, merge_quality
 from stepgpt import memory
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
-from model import GPT, LINEARS, merge_quality
 from tests.helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +97,7 @@ def test_adamw8bit_accounting_counts_each_tensor_by_its_size():
     """8-bit moments (2 B + an fp32 absmax per 256 entries) for tensors of 4,096 entries or more,
     fp32 moments below, the two code books once; the weight and gradient stay fp32."""
     cfg = tiny_config(lora_rank=4, vocab_size=64, n_embd=64, ffn_hidden=128, tie_embeddings=True)
-    sizes = memory.trainable_tensors(cfg, 1, 0)
+    sizes = grow.trainable_tensors(cfg, 1, 0)
     assert sorted(sizes) == sorted([64 * 64] * 4 + [128 * 64] * 3 + [64] * 2 + [64 * 64, 64])
     small = 64 * 3 * 8
     big = sum(2 * n + 8 * -(-n // 256) for n in sizes if n >= 4096)
@@ -104,6 +106,7 @@ def test_adamw8bit_accounting_counts_each_tensor_by_its_size():
         memory.state_bytes(cfg, 1, 0, optimizer="adamw8bit", zero_world=2)
 
 
+@pytest.mark.slow
 def test_readme_plan_commands_run_and_its_1b_table_is_the_commands_output():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
@@ -139,7 +142,8 @@ def test_planned_state_equals_the_allocations_of_a_real_step(train_embeddings, f
         opt.step()
         keep.update(model=model, opt=opt, idx=idx)
 
-    _, live = memory.measure_cpu_memory(step)
+    from bench.peak_memory import measure_cpu_memory
+    _, live = measure_cpu_memory(step)
     model, opt = keep["model"], keep["opt"]
     assert model.wte.weight.requires_grad == train_embeddings == model.lm_head.weight.requires_grad
     planned = grow.state_bytes(model.config, train_embeddings=train_embeddings)
@@ -175,8 +179,8 @@ def test_zero_growth_with_freezing_stays_within_int8_error():
     model = GPT(tiny_config(n_layer=2))
     idx = torch.randint(0, 128, (2, 16))
     before = logits(model, idx)
-    new, merged = grow.next_stage(model, 2, init="zero")
-    assert merged is None                  # nothing was frozen before, so nothing was merged
+    grow.next_stage(model, 2, init="zero")
+    assert model.last_merge is None                 # nothing was frozen before, so nothing was merged
     after = logits(model, idx)
     assert not torch.equal(after, before)
     torch.testing.assert_close(after, before, atol=0.05, rtol=0.05)
@@ -259,19 +263,19 @@ def test_mean_growth_between_frozen_layers_uses_their_weights_with_adapters():
         for block in model.layers:
             for name in LINEARS:
                 block.linear(name).lora_b.normal_(std=0.5)     # an update far above one int8 step
-    intended = [[block.linear(name).dense_weight() for name in LINEARS] for block in model.layers]
+    intended = [[dense_weight(block.linear(name)) for name in LINEARS] for block in model.layers]
     bare = [[block.linear(name).stored_weight() for name in LINEARS]
             for block in model.layers]
-    new, merged = grow.next_stage(model, 1, init="mean", where="lower")   # between old layers 0 and 1
-    assert new == [1] and merge_quality(merged)[0] > 0.99
+    new = grow.next_stage(model, 1, init="mean", where="lower")   # between old layers 0 and 1
+    assert new == [1] and merge_quality(model.last_merge)[0] > 0.99
     grown = model.layers[1]
     for j, name in enumerate(LINEARS):
         w = grown.linear(name).weight.detach()
         step = max(model.layers[0].linear(name).weight_scale.max(),
                    model.layers[2].linear(name).weight_scale.max())
         assert (w - (intended[0][j] + intended[1][j]) / 2).abs().max() <= step      # both roundings, halved
-        assert torch.equal(w, (model.layers[0].linear(name).dense_weight()
-                               + model.layers[2].linear(name).dense_weight()) / 2)
+        assert torch.equal(w, (dense_weight(model.layers[0].linear(name))
+                               + dense_weight(model.layers[2].linear(name))) / 2)
         # adapters mattered
         assert ((intended[0][j] + intended[1][j]) - (bare[0][j] + bare[1][j])).abs().max() > 10 * step
     assert torch.equal(grown.attn_norm.weight,
@@ -331,18 +335,18 @@ def test_plan_cli_says_where_the_vocabulary_comes_from(tmp_path, capsys):
     data = write_dataset(tmp_path / "data", vocab=300)
     cfg = tmp_path / "c.py"
     cfg.write_text(f"data_dir = {data!r}\nstage_layers = [2, 2]\nn_embd = 64\nn_head = 2\n")
-    memory.main([str(cfg)])
+    plan.main([str(cfg)])
     assert f"vocab 320 (300 tokens in {data}/meta.json)" in capsys.readouterr().out
     cfg.write_text(f"data_dir = {str(tmp_path / 'none')!r}\nstage_layers = [2, 2]\nvocab_size = 32000\n")
-    memory.main([str(cfg)])
-    assert "vocab 32000 (32000 tokens, the config's vocab_size)" in capsys.readouterr().out
+    plan.main([str(cfg)])
+    assert "vocab 32000 (the config's vocab_size)" in capsys.readouterr().out
     cfg.write_text(f"data_dir = {str(tmp_path / 'none')!r}\nstage_layers = [2, 2]\n")
-    memory.main([str(cfg)])
+    plan.main([str(cfg)])
     assert "vocab 8256 (8193 tokens assumed" in capsys.readouterr().out
     cfg.write_text(f"data_dir = {data!r}\nstage_layers = [2, 2]\nvocab_size = 32000\n")
-    with pytest.raises(UserError,
-                       match="holds a 300-token vocabulary but the config is for vocab_size=32000"):
-        memory.main([str(cfg)])
+    with pytest.raises(UserError, match=r"holds a 300-token vocabulary \(a model of 320 rows\) but the "
+                                        r"config says vocab_size=32000"):
+        plan.main([str(cfg)])
 
 
 def test_zero1_divides_only_the_optimizer_share_over_the_ranks():
@@ -374,20 +378,21 @@ def test_readme_placement_picture():
                                    ["--optimizer=adamw8bit"],
                                    ["--activation_checkpointing=True", "--loss_chunk=256",
                                     "--batch_size=16"]])
+@pytest.mark.slow
 def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
     """memory.step_peak_bytes (model state + saved activations) against the allocator's true peak of
-    a training step (bench/memory.py's replay), in every stage of step_small at batch 2 (and at the
+    a training step (bench/peak_memory.py's replay), in every stage of step_small at batch 2 (and at the
     config's 16 with checkpointing and the chunked loss, where the recomputed layer sets the peak). (At much
     smaller widths the fixed costs the plan leaves out weigh more: +12 % with checkpointing at
     n_embd 64.)"""
-    from bench.memory import measure
+    from bench.peak_memory import measure
     from tests.helpers import write_dataset
     if "--optimizer=adamw8bit" in extra:
         pytest.importorskip("bitsandbytes", reason="optional: pip install bitsandbytes==0.50.2")
     write_dataset(str(tmp_path), vocab=8192)    # the small config's model and vocabulary; a smaller batch
     args = [os.path.join(ROOT, "config", "step_small.py"), f"--data_dir={tmp_path}", "--batch_size=2", *extra]
     cfg = load_config(args)
-    cfg = replace(cfg, vocab_size=memory.data_vocab(cfg)[0])
+    cfg = replace(cfg, vocab_size=planned_vocab(cfg.data_dir, cfg.vocab_size)[0])
     steps = [r for r in measure(args) if r["phase"] == "step"]
     assert [(r["n_trainable"], r["n_frozen"]) for r in steps] == [(3, 0), (3, 3)]
     for r in steps:
@@ -405,12 +410,13 @@ def test_every_shipped_gpu_config_leaves_a_tenth_of_an_80_gb_gpu_free(name):
     """The planned bf16 step peak of each stage, as the config is set (micro-batch, checkpointing,
     chunked loss, optimizer), is at most 90 % of an 80 GB GPU."""
     tcfg = load_config([os.path.join(ROOT, "config", f"{name}.py")])
-    vocab = memory.data_vocab(tcfg, 32000)[0]
+    vocab = padded_vocab(32000)
     layers, _ = grow.stage_plan(tcfg, vocab, tcfg.batch_size * tcfg.block_size)
     final = grow.model_config(tcfg, sum(layers), vocab)
     assert max(memory.configured_peaks(tcfg, final, layers, "bfloat16")) <= 0.9 * memory.GPU_BYTES
 
 
+@pytest.mark.slow
 def test_7b_step_fits_one_80_gb_gpu_where_vanilla_with_fp32_adamw_cannot():
     out = subprocess.run([sys.executable, "plan.py", "config/step_7b.py"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120).stdout
@@ -422,7 +428,7 @@ def test_7b_step_fits_one_80_gb_gpu_where_vanilla_with_fp32_adamw_cannot():
 
 
 def test_a_run_warns_when_its_planned_peak_is_over_the_free_memory():
-    from stepgpt.runtime import memory_warning
+    from stepgpt.monitor import memory_warning
     assert memory_warning(10 * 2**30, 20 * 2**30, "cuda:0") is None
     line = memory_warning(30 * 2**30, 20 * 2**30, "cuda:0")
     assert line.startswith("warning: the planned step peak, 30.00GiB, is over the 20.00GiB free on cuda:0")

@@ -13,6 +13,8 @@ import train
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
+pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--device=cpu",
        "--n_layer=1", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",

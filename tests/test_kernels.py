@@ -4,7 +4,7 @@ against float64 autograd on the same q and scale, and the dequantisation against
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py); with CUDA the same
 tests compile them for real (fp32 as tf32, as train.py runs it), and the `gpu` tests add bf16 and
 full autotuning. The `dispatch` fixture runs the fp32 tests twice on CPU: as the interpreter
-dispatches, and taking CUDA's decisions (STEP_DISPATCH=cuda: fp32 only with TF32 allowed).
+dispatches, and taking CUDA's decisions (kernels._on_gpu patched: fp32 only with TF32 allowed).
 """
 import json
 import os
@@ -30,12 +30,11 @@ TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 3e-3, to
 @pytest.fixture(autouse=True)
 def _clean_env(request, monkeypatch):
     torch.manual_seed(0)
-    for name in ("STEP_LORA_PATH", "STEP_DISPATCH"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("STEP_LORA_PATH", raising=False)
     # the path choice is its own test's business: here the paths are timed by a fixed table, never run
     monkeypatch.setattr(kernels, "CHOICES", {})
     fixed = {"fused": 1.0, "hybrid": 2.0, "reference": 3.0}
-    monkeypatch.setattr(kernels, "TIMER", lambda path, fn: fixed[path])
+    monkeypatch.setattr(kernels, "_cuda_time", lambda path, fn: fixed[path])
     tf32 = torch.backends.cuda.matmul.allow_tf32
     if DEVICE == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True   # train.py's setting
@@ -50,10 +49,10 @@ def _clean_env(request, monkeypatch):
 
 @pytest.fixture(params=["native", "cuda"])
 def dispatch(request, monkeypatch):
-    """On CPU, run a test as the interpreter dispatches and as CUDA would (STEP_DISPATCH=cuda, TF32
-    allowed as train.py allows it); with CUDA, as it is."""
+    """On CPU, run a test as the interpreter dispatches and as CUDA would (the call taken for a GPU
+    call, TF32 allowed as train.py allows it); with CUDA, as it is."""
     if request.param == "cuda" and DEVICE == "cpu":
-        monkeypatch.setenv("STEP_DISPATCH", "cuda")
+        monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
         torch.backends.cuda.matmul.allow_tf32 = True   # _clean_env restores it
     elif request.param == "cuda":
         pytest.skip("on a GPU the native dispatch is CUDA's")
@@ -71,14 +70,16 @@ def triton_only(monkeypatch):
     def unreachable(*args, **kwargs):
         raise AssertionError("the reference ran although STEP_KERNELS=triton")
 
-    def poisoned(shape, dtype, device):
-        fill = -128 if dtype == torch.int8 else float("nan")
-        return torch.full(shape, fill, dtype=dtype, device=device)
+    empty = torch.empty
+
+    def poisoned(*size, dtype=None, device=None, **kw):
+        out = empty(*size, dtype=dtype, device=device, **kw)
+        return out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).min)
 
     monkeypatch.setattr(frozen_linear, "forward", unreachable)
     monkeypatch.setattr(frozen_linear, "backward", unreachable)
     monkeypatch.setattr(frozen_linear, "weight", unreachable)
-    monkeypatch.setattr(frozen_lora, "_empty", poisoned)
+    monkeypatch.setattr(torch, "empty", poisoned)   # a correct kernel writes every element it allocates
     monkeypatch.setattr(frozen_lora, "_SCRATCH", {})
 
 
@@ -318,7 +319,7 @@ def test_static_rule_and_forced_paths(monkeypatch):
 
 def test_cuda_dispatch_sends_fp32_to_the_reference_unless_tf32_is_allowed(monkeypatch):
     monkeypatch.setenv("STEP_KERNELS", "triton")
-    monkeypatch.setenv("STEP_DISPATCH", "cuda")
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)
     x, q, scale, a, b = _op_inputs("int8")
     torch.backends.cuda.matmul.allow_tf32 = False   # _clean_env restores it
     assert kernels.choose_path(x, q, scale, a, b, 2.0, None) == "reference"
@@ -333,7 +334,9 @@ def test_measured_dispatch_chooses_the_fastest_once_and_a_resume_reuses_it(trito
     carry the choice into a resumed run."""
     timed = []
     fake = {"fused": 3e-3, "hybrid": 1e-3, "reference": 2e-3}
-    monkeypatch.setattr(kernels, "TIMER", lambda path, fn: timed.append(path) or fake[path])
+    monkeypatch.setattr(kernels, "_cuda_time", lambda path, fn: timed.append(path) or fake[path])
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)   # only a GPU call is timed
+    torch.backends.cuda.matmul.allow_tf32 = True             # as train.py sets it (_clean_env restores it)
     hybrid_runs = []
     scratch = frozen_lora._dequantize_to_scratch
     monkeypatch.setattr(frozen_lora, "_dequantize_to_scratch",
@@ -375,6 +378,8 @@ def test_autotuner_choices_survive_a_resume(monkeypatch):
     assert kernel.cache == {(512, 24, 40, 8, "torch.float32"): frozen_lora.CONFIGS["_fwd_kernel"][3]}
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_under_ddp_rank_0s_measured_choice_holds_on_every_rank(tmp_path):
     """Two gloo ranks whose timers disagree: both keep rank 0's choice."""
     script = tmp_path / "ranks.py"
@@ -388,7 +393,7 @@ def test_under_ddp_rank_0s_measured_choice_holds_on_every_rank(tmp_path):
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         fastest = "hybrid" if rank == 0 else "fused"
-        kernels.TIMER = lambda path, fn: 1.0 if path == fastest else 2.0
+        kernels._cuda_time = lambda path, fn: 1.0 if path == fastest else 2.0
         q, scale = quantize_int8(torch.randn(24, 40))
         x, a, b = torch.randn(300, 40), torch.randn(8, 40), torch.randn(24, 8)
         choice = kernels.measure(x, q, scale, a, b, 2.0, (frozen_linear.forward, frozen_linear.backward))
@@ -471,6 +476,7 @@ def test_opcheck_triton(triton_only, path):
     torch.library.opcheck(frozen_linear._op, (x, q, scale, a, b, 2.0, path))
 
 
+@pytest.mark.slow
 def test_a_run_tunes_each_kernel_once_per_shape_however_many_tokens_it_samples(tmp_path, monkeypatch):
     """The README main command's code path, scaled down in size: training steps, eval and a 200-token
     sample through the Triton kernels (the interpreter standing in for the GPU), with the full config

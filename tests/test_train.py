@@ -82,7 +82,8 @@ def test_optimizer_rebuild_keeps_only_the_state_outside_the_stack():
     opt.step()
     before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
     grow.next_stage(model, 1)
-    new = train.configure_optimizer(model, cfg, torch.device("cpu"), previous=opt)
+    new = train.configure_optimizer(model, cfg, torch.device("cpu"), previous=opt,
+                                    carried=grow.carried_parameters(model))
     names = dict(model.named_parameters())
     outside = {"wte.weight", "lm_head.weight", "norm.weight"}
     for n in outside:
@@ -166,6 +167,7 @@ def one_line_error(proc, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_inputs(tmp_path):
     out = f"--out_dir={tmp_path / 'out'}"
     one_line_error(run_cli("--no_such_key=1"), "unknown config key")
@@ -212,6 +214,7 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_used_only_when_a
     assert "resuming from" in capsys.readouterr().out and final_state(tmp_path)["iter_num"] == 6
 
 
+@pytest.mark.slow
 def test_sample_grow_and_plan_clis(tmp_path):
     data = write_dataset(tmp_path / "data", vocab=300)     # 299 BPE ranks + <|endoftext|>: a real tokenizer
     train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--n_layer=2", data=data))

@@ -30,10 +30,9 @@ from stepgpt.kernels import frozen_lora
 from stepgpt.kernels.frozen_lora import DECODE_M, HAS_TRITON, INTERPRET, PATHS, backward, forward, m_bucket
 
 __all__ = ["DECODE_M", "HAS_TRITON", "INTERPRET", "PATHS", "backward", "choose_path", "compute_dtype",
-           "forward", "load_state", "measure", "state", "static_path", "use_triton"]
+           "forward", "load_state", "measure", "measure_layers", "state", "static_path", "use_triton"]
 
 CHOICES = {}    # (token bucket, N, K, r, dtype) -> the measured path
-TIMER = None    # timer(path, fn) -> seconds of one call of fn; None: CUDA events (tests inject one)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -69,10 +68,10 @@ def choose_path(x, q, scale, a, b, s, reference):
     assert x.shape[-1] == q.shape[1], f"x has K={x.shape[-1]} but the weight has K={q.shape[1]}"
     # a bf16 store is a plain GEMM, which cuBLAS does best; without adapters (rank 0) there is
     # nothing to fuse; fp32 activations where torch forbids TF32 would make the kernels' dots plain
-    # FMA, far slower than cuBLAS in fp32: all three take the reference path
-    # (STEP_DISPATCH=cuda: take CUDA's decisions on CPU tensors in the interpreter, for the tests)
-    as_cuda = x.is_cuda or os.environ.get("STEP_DISPATCH") == "cuda"
-    fp32_ok = x.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 or (INTERPRET and not as_cuda)
+    # FMA, far slower than cuBLAS in fp32: all three take the reference path. On CPU tensors the
+    # interpreter runs the kernels in any dtype.
+    on_gpu = _on_gpu(x)
+    fp32_ok = x.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 or (INTERPRET and not on_gpu)
     if not (use_triton(x) and q.dtype == torch.int8 and a.shape[0] > 0 and fp32_ok):
         return "reference"
     forced = os.environ.get("STEP_LORA_PATH", "auto")
@@ -85,10 +84,14 @@ def choose_path(x, q, scale, a, b, s, reference):
     key = _key(m, n, k, a.shape[0], x.dtype)
     if key[0] == 0:
         return "fused"
-    if key not in CHOICES and torch.is_grad_enabled() and not torch.compiler.is_compiling() and \
-            (x.is_cuda or TIMER is not None):
+    if key not in CHOICES and on_gpu and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         measure(x, q, scale, a, b, s, reference)
     return CHOICES.get(key) or static_path(m, n, k)
+
+
+def _on_gpu(x):
+    """Whether a call runs on the GPU: only there are the paths timed and fp32 held to TF32."""
+    return x.is_cuda
 
 
 def _key(m, n, k, r, dtype):
@@ -102,7 +105,6 @@ def measure(x, q, scale, a, b, s, reference):
     k = q.shape[1]
     x = x.detach().reshape(-1, k)
     key = _key(x.shape[0], q.shape[0], k, a.shape[0], x.dtype)
-    timer = TIMER or _cuda_time
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         dy = torch.randn(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
         impl = {p: (forward, backward) for p in PATHS}
@@ -114,7 +116,7 @@ def measure(x, q, scale, a, b, s, reference):
             _, xa = fwd(*args, x, q, scale, a, b, s)
             bwd(*args, dy, x, q, scale, a, b, xa, s, True)
 
-        times = {path: timer(path, lambda path=path: run(path)) for path in impl}
+        times = {path: _cuda_time(path, lambda path=path: run(path)) for path in impl}
     choice = [min(times, key=times.get)]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
@@ -127,6 +129,7 @@ def measure(x, q, scale, a, b, s, reference):
 
 
 def _cuda_time(path, fn, reps=5):
+    """Seconds of one call of fn (the median of `reps`, after two warm-up calls), by CUDA events."""
     fn()   # the first call compiles and autotunes
     fn()
     ends = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -136,6 +139,19 @@ def _cuda_time(path, fn, reps=5):
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in ends) / 1000
+
+
+def measure_layers(model, tokens, dtype, reference):
+    """Measure, where not yet measured, the path of each frozen linear of `model` (the modules with
+    an int8 weight_q) for a training call of `tokens` tokens in `dtype`, on its own weights;
+    collective under DDP. train.py calls it before torch.compile traces the model, which then
+    reads the choices. `reference`: frozen_linear's (forward, backward)."""
+    for m in model.modules():
+        if not hasattr(m, "weight_q") or not _on_gpu(m.weight_q):   # only a GPU call is timed
+            continue
+        x = torch.randn(tokens, m.in_features, dtype=dtype, device=m.weight_q.device)
+        with torch.enable_grad():   # as a training call: measured if it may run Triton
+            choose_path(x, m.weight_q, m.weight_scale, m.lora_a, m.lora_b, m.lora_scale, reference)
 
 
 def state():

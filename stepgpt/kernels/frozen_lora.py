@@ -11,7 +11,8 @@ Q is dequantised tile by tile in registers inside the K-loop (q·scale rounded o
 dtype) and never written to memory. All accumulation is fp32. bench/compile_kernels.py compiles
 every kernel for sm_90 and checks spills, shared memory and serialised wgmma pipelines on every CI
 run. Two paths: "fused" (the kernels above) and "hybrid" (the weight dequantised into a reused
-scratch buffer, cuBLAS for the two main GEMMs, F1/B1 for the low-rank side); triton_path() picks.
+scratch buffer, cuBLAS for the two main GEMMs, F1/B1 for the low-rank side); kernels.choose_path()
+picks.
 """
 import os
 
@@ -314,16 +315,10 @@ CONFIGS = {"_lora_down_kernel": _DOWN_CONFIGS, "_fwd_kernel": _FWD_CONFIGS, "_lo
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
-def _empty(shape, dtype, device):
-    # every element of a kernel's output must be written by the kernel; tests swap this for a NaN
-    # fill to check that
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def dequantize(q, scale, dtype, out=None):
     """(q int8 [N, K], scale [N]) -> q·scale [N, K] in `dtype`, into `out` if given."""
     n, k = q.shape
-    out = _empty((n, k), dtype, q.device) if out is None else out
+    out = torch.empty((n, k), dtype=dtype, device=q.device) if out is None else out
     grid = (triton.cdiv(n, 16), triton.cdiv(k, 256))
     _dequantize_kernel[grid](q, scale, out, n, k, BLOCK_N=16, BLOCK_K=256)
     return out
@@ -343,7 +338,7 @@ def _dot_precision(dtype):
 def _lora_down(x, a):
     m, k = x.shape
     r = a.shape[0]
-    s = _empty((m, r), x.dtype, x.device)
+    s = torch.empty((m, r), dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
     _lora_down_kernel[grid](x, a, s, m, m_bucket(m), k, r, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                             PRECISION=_dot_precision(x.dtype), R_PAD=_r_pad(r))
@@ -354,7 +349,7 @@ def _fused_forward(x, q, scale, a, b, lora_scale):
     m, k = x.shape
     n, r = q.shape[0], a.shape[0]
     s = _lora_down(x, a)
-    y = _empty((m, n), x.dtype, x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _fwd_kernel[grid](x, q, scale, b, s, y, lora_scale, m, m_bucket(m), n, k, r,
                       x.stride(0), x.stride(1), b.stride(0), b.stride(1),
@@ -378,7 +373,7 @@ def _lora_backward(dy, x, b, s):
     programs = CPU_PROGRAMS
     if dy.is_cuda:
         programs = torch.cuda.get_device_properties(dy.device).multi_processor_count
-    dyb = _empty((m, r), dy.dtype, dy.device)
+    dyb = torch.empty((m, r), dtype=dy.dtype, device=dy.device)
     da = torch.zeros((slices, r, k), dtype=torch.float32, device=dy.device)
     db = torch.zeros((slices, n, r), dtype=torch.float32, device=dy.device)
     _lora_bwd_kernel[(min(programs, slices),)](dy, x, b, s, dyb, da, db, m, m_bucket(m), n, k, r, slices,
@@ -391,7 +386,7 @@ def _lora_backward(dy, x, b, s):
 def _fused_dx(dy, q, scale, a, dyb, lora_scale):
     m, n = dy.shape
     r, k = a.shape
-    dx = _empty((m, k), dy.dtype, dy.device)
+    dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)  # noqa: E731
     _dx_kernel[grid](dy, q, scale, a, dyb, dx, lora_scale, m, m_bucket(m), n, k, r,
                      dy.stride(0), dy.stride(1), a.stride(0), a.stride(1),
@@ -408,7 +403,7 @@ _SCRATCH = {}
 def _dequantize_to_scratch(q, scale, dtype):
     key = (q.device, dtype)
     if key not in _SCRATCH or _SCRATCH[key].numel() < q.numel():
-        _SCRATCH[key] = _empty((q.numel(),), dtype, q.device)
+        _SCRATCH[key] = torch.empty(q.numel(), dtype=dtype, device=q.device)
     w = _SCRATCH[key][: q.numel()].view(q.shape)
     return dequantize(q, scale, dtype, out=w)
 

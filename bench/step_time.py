@@ -1,7 +1,7 @@
 """Training step time of STEP's last stage against vanilla pre-training of the same final model.
 
-    python bench/train.py                                          # step_small, on this machine
-    python bench/train.py config/step_350m.py --layers 8 --batch 1 --block 512 --vocab 8192
+    python bench/step_time.py                                          # step_small, on this machine
+    python bench/step_time.py config/step_350m.py --layers 8 --batch 1 --block 512 --vocab 8192
 
 Both models have the same depth, width, batch and sequence length; STEP's has its first layers
 frozen (int8 + LoRA), as in its last stage. A step is forward, backward and the optimizer step
@@ -18,17 +18,18 @@ import statistics
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-
-import torch  # noqa: E402
-
-import grow  # noqa: E402
-import train  # noqa: E402
-from model import GPT  # noqa: E402
-from stepgpt import memory, runtime  # noqa: E402
-from stepgpt.config import load_config  # noqa: E402
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+import frozen_linear
+import grow
+import train
+from data.load import planned_vocab
+from model import GPT
+from stepgpt import kernels
+from stepgpt.config import load_config
 
 
 def build(tcfg, n_layer, n_frozen, vocab, block, device):
@@ -71,12 +72,12 @@ def main(argv=None):
     if args.frozen:
         n_frozen = args.frozen
     else:   # the last stage of the config's plan, scaled to n_layer
-        plan = grow.plan_stages(grow.model_config(tcfg, n_layer, args.vocab or memory.data_vocab(tcfg)[0]),
-                                n_layer, grow.stage_count(tcfg))
+        vocab = args.vocab or planned_vocab(tcfg.data_dir, tcfg.vocab_size)[0]
+        plan = grow.plan_stages(grow.model_config(tcfg, n_layer, vocab), n_layer, grow.stage_count(tcfg))
         n_frozen = n_layer - plan[-1]
     if not 0 < n_frozen < n_layer:
-        sys.exit(f"bench/train.py: --frozen {n_frozen} must be between 1 and {n_layer - 1}")
-    vocab = args.vocab or memory.data_vocab(tcfg)[0]
+        sys.exit(f"bench/step_time.py: --frozen {n_frozen} must be between 1 and {n_layer - 1}")
+    vocab = args.vocab or planned_vocab(tcfg.data_dir, tcfg.vocab_size)[0]
     batch, block = args.batch or tcfg.batch_size, args.block or tcfg.block_size
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(tcfg.device if tcfg.device != "auto" else auto)
@@ -86,7 +87,8 @@ def main(argv=None):
     runs = {}
     for name, frozen in (("vanilla", 0), (f"STEP, {n_frozen} of {n_layer} frozen", n_frozen)):
         model, opt = build(tcfg, n_layer, frozen, vocab, block, device)
-        runtime.measure_kernels(model, device, dtype, batch * block)
+        kernels.measure_layers(model, batch * block, getattr(torch, dtype),
+                               (frozen_linear.forward, frozen_linear.backward))
         fn = torch.compile(model) if compiled else model
         runs[name] = dict(model=model, fn=fn, opt=opt, times=[], flops=model.estimate_flops())
     g = torch.Generator().manual_seed(0)

@@ -2,10 +2,10 @@ r"""The true peak memory of training steps, measured from the allocator, beside 
 prediction: vanilla against STEP with 2 and 3 stages, with and without activation checkpointing
 and the chunked loss.
 
-    python bench/memory.py                                   # config/step_small.py's model on CPU, ~3 min
-    python bench/memory.py --set batch_size=4 --only vanilla,step2
-    python bench/memory.py --meta config/step_350m.py,config/step_1b.py  # model state at paper scale, seconds
-    python bench/memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
+    python bench/peak_memory.py                              # config/step_small.py's model on CPU, ~3 min
+    python bench/peak_memory.py --set batch_size=4 --only vanilla,step2
+    python bench/peak_memory.py --meta config/step_350m.py,config/step_1b.py   # paper scale, seconds
+    python bench/peak_memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
         --set batch_size=1
 
 Each run replays two training steps per stage (AdamW creates its moments in the first step's
@@ -28,24 +28,52 @@ import os
 import sys
 import tempfile
 import time
+from unittest import mock
 from dataclasses import replace
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-import grow  # noqa: E402
-import train  # noqa: E402
-from stepgpt import memory  # noqa: E402
-from stepgpt.config import load_config  # noqa: E402
-from stepgpt.errors import UserError, run_cli  # noqa: E402
-from model import GPT  # noqa: E402
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+import grow
+import train
+from data.load import planned_vocab
+from model import GPT, FrozenLoRALinear
+from stepgpt import memory
+from stepgpt.config import load_config
+from stepgpt.errors import UserError, run_cli
 
 RUNS = ("vanilla", "step2", "step3")   # the config's final depth trained in 1, 2 or 3 planned stages
 MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
          "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"],
          "adamw8bit": ["--optimizer=adamw8bit"]}   # needs bitsandbytes
+
+
+def cpu_memory_timeline(fn):
+    """Run fn() and record the CPU tensor memory it allocates, from the profiler's record of every
+    allocation and free (not from a list of tensors we think exist). -> [(time.time_ns(), bytes
+    live)], one entry per event. The timeline is a private torch API (torch 2.13); CUDA has
+    torch.cuda.max_memory_allocated instead."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+    live, out = 0, [(0, 0)]
+    for t, action, _, size in prof._memory_profile().timeline:
+        if action in (Action.CREATE, Action.PREEXISTING):
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        out.append((t, live))
+    return out
+
+
+def measure_cpu_memory(fn):
+    """-> (peak bytes, bytes still allocated when fn returns) of fn()'s CPU tensor allocations."""
+    timeline = cpu_memory_timeline(fn)
+    return max(b for _, b in timeline), timeline[-1][1]
 
 
 def run_args(config, name, extra=()):
@@ -82,7 +110,7 @@ def measure(args, device="cpu"):
             for stage in range(len(run.depth)):
                 mark("stage change", stage, time.time_ns())
                 if stage:
-                    opt, _ = train.enter_stage(run, model, opt, stage)
+                    opt, _, _ = train.enter_stage(run, model, opt, stage, it)
                 train.train_step(run, model, model, opt, it)
                 mark("step", stage, time.time_ns())
                 train.train_step(run, model, model, opt, it + 1)
@@ -94,7 +122,7 @@ def measure(args, device="cpu"):
         quiet = open(os.devnull, "w")
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            timeline = memory.cpu_memory_timeline(replay) if device == "cpu" else replay()
+            timeline = cpu_memory_timeline(replay) if device == "cpu" else replay()
         finally:
             sys.stdout = stdout
             quiet.close()
@@ -112,7 +140,9 @@ def meta_state(tcfg, vocab, n_trainable, n_frozen):
     n_trainable trainable layers of the run config tcfg, built on the meta device."""
     cfg = grow.model_config(tcfg, n_trainable + n_frozen, vocab)
     cfg.frozen_layers = tuple(range(n_frozen))
-    with torch.device("meta"):
+    # on the meta device there are no values to quantise: the frozen layers' int8 buffers keep the
+    # shapes and dtypes their constructor gave them
+    with torch.device("meta"), mock.patch.object(FrozenLoRALinear, "store", lambda self, w, **kw: None):
         model = GPT(cfg)
     if n_frozen and not tcfg.train_embeddings:
         model.freeze_embeddings()
@@ -142,7 +172,7 @@ def meta_table(configs):
     for path in configs:
         for optimizer in optimizers:
             tcfg = load_config([path, f"--optimizer={optimizer}"])
-            vocab = memory.data_vocab(tcfg)[0]
+            vocab = planned_vocab(tcfg.data_dir, tcfg.vocab_size)[0]
             layers, _ = grow.stage_plan(tcfg, vocab, tcfg.batch_size * tcfg.block_size)
             rows = ([("vanilla", sum(layers), 0)]
                     + [(str(i + 1), n, sum(layers[:i])) for i, n in enumerate(layers)])
@@ -193,10 +223,14 @@ def main(argv):
     print("|---|---|---|---|---|---|---|---|---|")
     vanilla = {}
     for mode in modes:
+        if mode == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            print(f"| {', '.join(runs)} | adamw8bit | skipped: optimizer=adamw8bit needs bitsandbytes "
+                  f"(pip install bitsandbytes==0.50.2) |||||||", flush=True)
+            continue
         for name in runs:
             args = [a.config, *run_args(a.config, name, extra), *MODES[mode], *extra]
             cfg = load_config(args)
-            cfg = replace(cfg, vocab_size=memory.data_vocab(cfg)[0])
+            cfg = replace(cfg, vocab_size=planned_vocab(cfg.data_dir, cfg.vocab_size)[0])
             rows = measure(args, a.device)
             run_peak = max(r["peak"] for r in rows)
             vanilla.setdefault(mode, run_peak if name == "vanilla" else None)

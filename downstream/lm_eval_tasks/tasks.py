@@ -15,8 +15,8 @@ def read_jsonl(path, fix):
 
 
 def val_docs(val_docs="data/shakespeare/val_docs.jsonl", **metadata):
-    """step_val: the documents that `python bench/val_docs.py DATA_DIR` wrote."""
-    return read_jsonl(val_docs, "write it with: python bench/val_docs.py DATA_DIR, and pass "
+    """step_val: the documents that `python downstream/val_docs.py DATA_DIR` wrote."""
+    return read_jsonl(val_docs, "write it with: python downstream/val_docs.py DATA_DIR, and pass "
                                 "--metadata '{\"val_docs\": \"DATA_DIR/val_docs.jsonl\"}'")
 
 

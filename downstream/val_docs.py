@@ -1,9 +1,9 @@
 """The validation split of a prepared data folder as documents for lm-eval's local task step_val
-(bench/lm_eval_tasks), and our own bits per byte on them, scored the way lm-eval scores a
+(downstream/lm_eval_tasks), and our own bits per byte on them, scored the way lm-eval scores a
 loglikelihood_rolling task: the check that an exported model computes in lm-eval what it does here.
 
-    python bench/val_docs.py data/shakespeare                          # -> data/shakespeare/val_docs.jsonl
-    python bench/val_docs.py data/shakespeare --ckpt out-step-small    # ... and our bits per byte on them
+    python downstream/val_docs.py data/shakespeare                        # -> data/shakespeare/val_docs.jsonl
+    python downstream/val_docs.py data/shakespeare --ckpt out-step-small  # ... and our bits per byte on them
 
 The split is cut at each <|endoftext|> into documents, decoded to text (the first may be the tail of
 a document, where the split fell inside one). --max_tokens keeps the first documents, up to about
@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-from stepgpt.checkpoint import load_checkpoint  # noqa: E402
-from stepgpt.errors import UserError, run_cli  # noqa: E402
-from data.prepare import get_tokenizer  # noqa: E402
-from model import GPT  # noqa: E402
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.errors import UserError, run_cli
+from data.load import get_tokenizer
+from model import GPT
 
 
 def documents(data_dir, max_tokens=0):

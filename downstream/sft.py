@@ -1,9 +1,9 @@
 """Instruction-tune an exported model (export_hf.py) with Hugging Face TRL's SFTTrainer on an
 Alpaca-format JSON file: a list of {"instruction", "input" (may be empty), "output"}.
 
-    python bench/sft.py hf-step-small tests/data/alpaca_tiny.json sft-step-small           # CPU, seconds
-    python bench/sft.py hf-step-350m alpaca_data.json sft-step-350m --epochs 3 --lr 2e-5 --batch_size 16 \\
-        --grad_accum 8                                                   # a GPU: Alpaca's own settings
+    python downstream/sft.py hf-step-small tests/data/alpaca_tiny.json sft-step-small     # CPU, seconds
+    python downstream/sft.py hf-step-350m alpaca_data.json sft-step-350m --epochs 3 --lr 2e-5 \\
+        --batch_size 16 --grad_accum 8                                   # a GPU: Alpaca's own settings
 
 Each record becomes a prompt (Alpaca's template, with or without its Input section) and a
 completion (the output, then <|endoftext|>); the loss is on the completion only
@@ -19,12 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
-
-# `python bench/sft.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the Hugging
-# Face `kernels` package that transformers imports
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 HEADER = {False: "Below is an instruction that describes a task. Write a response that appropriately "
                  "completes the request.",

@@ -1,24 +1,25 @@
 """The paper's downstream comparison in one command: a vanilla and a STEP run, each exported to
 Hugging Face, instruction-tuned with TRL on the same Alpaca-format data with the same settings,
-and evaluated with lm-eval on the same tasks, before and after the tuning; one table and a plot.
+and evaluated with lm-eval on the same tasks, before and after the tuning; one table and a plot
+(matplotlib).
 
-    python bench/downstream.py out-vanilla-small out-step-small             # CPU, a few minutes
-    python bench/downstream.py out-vanilla-350m out-step-350m --scale 350m --sft_data alpaca_data.json
+    python downstream/compare.py out-vanilla-small out-step-small             # CPU, a few minutes
+    python downstream/compare.py out-vanilla-350m out-step-350m --scale 350m --sft_data alpaca_data.json
 
 The pipeline it runs for each model, as commands of their own (--scale small's paths and settings):
 
     python export_hf.py out-step-small hf-step-small
-    python bench/val_docs.py data/shakespeare --ckpt out-step-small
+    python downstream/val_docs.py data/shakespeare --ckpt out-step-small
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval --model hf --device cpu --batch_size 16 \\
         --model_args pretrained=hf-step-small,dtype=float32 \\
-        --include_path bench/lm_eval_tasks --tasks step_val,step_mc
-    python bench/sft.py hf-step-small tests/data/alpaca_tiny.json sft-step-small
+        --include_path downstream/lm_eval_tasks --tasks step_val,step_mc
+    python downstream/sft.py hf-step-small tests/data/alpaca_tiny.json sft-step-small
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval --model hf --device cpu --batch_size 16 \\
         --model_args pretrained=sft-step-small,dtype=float32 \\
-        --include_path bench/lm_eval_tasks --tasks step_val,step_mc
+        --include_path downstream/lm_eval_tasks --tasks step_val,step_mc
 
-bench/lm_eval_tasks holds two local tasks: step_val, bits per byte on the documents of the runs'
-validation split (bench/val_docs.py writes them, and prints our own bits per byte on them: lm-eval
+downstream/lm_eval_tasks holds two local tasks: step_val, bits per byte on the documents of the runs'
+validation split (downstream/val_docs.py writes them, and prints our own bits per byte on them: lm-eval
 must find the same), and step_mc, 60 multiple-choice questions. --tasks adds lm-eval's own
 (arc_easy, hellaswag, ...), which download their data from the Hugging Face Hub. --scale 350m is
 the recipe for a GPU: Alpaca's 52k records (alpaca_data.json from
@@ -29,19 +30,21 @@ is skipped when the command runs again (delete it to redo it).
 """
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the repository first, and not bench/: bench/kernels.py would shadow Hugging Face's `kernels` package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "bench")]
-from bench.val_docs import bits_per_byte, documents  # noqa: E402
-from stepgpt.checkpoint import load_checkpoint  # noqa: E402
-from stepgpt.errors import UserError, run_cli  # noqa: E402
-from model import GPT  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+from downstream.val_docs import bits_per_byte, documents
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.errors import UserError, run_cli
+from model import GPT
 
 LOCAL_TASKS = ("step_val", "step_mc")
 SCALES = {
@@ -89,29 +92,23 @@ def table(rows, tasks):
     return "\n".join(out)
 
 
-def svg_plot(rows, tasks, path):
-    """One panel per task metric, a bar per model: by hand, no plotting dependency."""
+def plot(rows, tasks, path):
+    """One panel per task metric, a bar per model (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     cols = [(t, m) for t in tasks for m in METRICS if any(m in r["eval"].get(t, {}) for r in rows)]
-    pw, h, pad, colors = 190, 300, 40, ["#9ecae1", "#1f77b4", "#fcae91", "#d62728"]
-    width = max(pw * len(cols), 140 * len(rows) + 20)
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + 70}" '
-           'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>']
-    for i, (t, m) in enumerate(cols):
+    fig, axes = plt.subplots(1, len(cols), figsize=(2.6 * len(cols) + 1, 3.6), squeeze=False)
+    names = [r["name"] for r in rows]
+    for ax, (t, m) in zip(axes[0], cols):
         vals = [r["eval"].get(t, {}).get(m) or 0 for r in rows]
-        top = max(max(vals), 1e-9) * 1.15
-        x0, bw = i * pw + pad, (pw - 2 * pad) / len(rows)
-        svg.append(f'<text x="{i * pw + pw / 2}" y="16" text-anchor="middle">{t} {m}</text>')
-        for j, v in enumerate(vals):
-            bh = (h - pad) * v / top
-            svg.append(f'<rect x="{x0 + j * bw:.1f}" y="{h - bh:.1f}" width="{bw - 2:.1f}" height="{bh:.1f}" '
-                       f'fill="{colors[j % 4]}"/><text x="{x0 + (j + 0.5) * bw:.1f}" y="{h - bh - 4:.1f}" '
-                       f'text-anchor="middle">{v:.3f}</text>')
-        svg.append(f'<line x1="{x0}" y1="{h}" x2="{x0 + pw - 2 * pad}" y2="{h}" stroke="black"/>')
-    for j, r in enumerate(rows):
-        svg.append(f'<rect x="{10 + 140 * j}" y="{h + 30}" width="12" height="12" fill="{colors[j % 4]}"/>'
-                   f'<text x="{28 + 140 * j}" y="{h + 40}">{r["name"]}</text>')
-    with open(path, "w") as f:
-        f.write("\n".join(svg + ["</svg>"]) + "\n")
+        bars = ax.bar(range(len(rows)), vals, color=[f"C{j % 10}" for j in range(len(rows))])
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+        ax.set_title(f"{t} {m}", fontsize=9)
+        ax.set_xticks([])
+    fig.legend(bars, names, loc="lower center", ncol=len(rows), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
 
 
 def main(argv):
@@ -120,11 +117,13 @@ def main(argv):
     p.add_argument("step", help="the STEP run's folder (or checkpoint)")
     p.add_argument("--scale", choices=sorted(SCALES), default="small", help="tuning and evaluation settings")
     p.add_argument("--sft_data", default="", help="Alpaca-format JSON (small: tests/data/alpaca_tiny.json)")
-    p.add_argument("--sft_args", default="", help="more bench/sft.py options for both, e.g. '--epochs 1'")
+    p.add_argument("--sft_args", default="", help="more sft.py options for both, e.g. '--epochs 1'")
     p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (default: the scale's)")
     p.add_argument("--data_dir", default="", help="prepared data for step_val (default: the runs' data_dir)")
     p.add_argument("--out", default="out-downstream", help="folder for the exports, tuned models, evals")
     a = p.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:   # found now, not after an hour of tuning
+        raise UserError("downstream/compare.py draws its plot with matplotlib: pip install matplotlib")
     scale = SCALES[a.scale]
     sft_data = os.path.abspath(a.sft_data or scale["sft_data"] or p.error("--scale 350m needs --sft_data"))
     tasks = (a.tasks or scale["tasks"]).split(",")
@@ -143,14 +142,13 @@ def main(argv):
     val_docs = os.path.join(out, "val_docs.jsonl")
     with open(val_docs, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
-    # lm-eval and TRL run from the output folder with nothing of ours on sys.path (our kernels/
-    # and bench/kernels.py would shadow the `kernels` package transformers imports), offline
-    # unless a task must be downloaded
+    # lm-eval and TRL run from the output folder with nothing of ours on sys.path (the task files are
+    # read by path), offline unless a task must be downloaded
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if set(tasks) <= set(LOCAL_TASKS):
         env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     lm_eval = [sys.executable, "-m", "lm_eval", "--tasks", ",".join(tasks), "--include_path",
-               os.path.join(ROOT, "bench", "lm_eval_tasks"), "--metadata", json.dumps({"val_docs": val_docs}),
+               os.path.join(HERE, "lm_eval_tasks"), "--metadata", json.dumps({"val_docs": val_docs}),
                "--device", scale["device"], "--batch_size", str(scale["batch_size"])]
     rows = []
     for name, path in runs.items():
@@ -159,7 +157,7 @@ def main(argv):
         model = GPT.from_checkpoint(ckpts[name], path).to(scale["device"]).eval()
         ours = bits_per_byte(model, enc, docs)
         log(f"{name}: bits per byte on {len(docs)} validation documents (ours): {ours:.6f}")
-        step(f"{name}: SFT", sft, [sys.executable, os.path.join(ROOT, "bench", "sft.py"), hf, sft_data, sft,
+        step(f"{name}: SFT", sft, [sys.executable, os.path.join(HERE, "sft.py"), hf, sft_data, sft,
                                    *scale["sft"], *a.sft_args.split()], log, env, out)
         for model_dir, label, score in ((hf, name, ours), (sft, f"{name} + SFT", None)):
             evals = model_dir + "-eval"
@@ -176,9 +174,9 @@ def main(argv):
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"rows": rows, "tasks": tasks, "scale": a.scale, "data_dir": data_dir,
                    "sft_data": sft_data}, f, indent=1)
-    svg_plot(rows, tasks, os.path.join(out, "downstream.svg"))
+    plot(rows, tasks, os.path.join(out, "downstream.png"))
     print(text)
-    log(f"wrote {out}/table.md, results.json and downstream.svg")
+    log(f"wrote {out}/table.md, results.json and downstream.png")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""What a run shows and records: the resolved config and the plan (describe), the log line with
+loss, lr, tokens/s, MFU and ETA (Meter), and metrics.jsonl, one JSON record per log and eval step
+(Logger). Rank 0 only."""
+import json
+import os
+import time
+from dataclasses import asdict
+
+import torch
+
+import grow
+from model import merge_quality
+from stepgpt import kernels, memory
+
+
+class Logger:
+    """rank-0 printing plus a JSONL metrics file."""
+
+    def __init__(self, out_dir, master, truncate_after=None):
+        self.master = master
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if master and truncate_after is not None and os.path.isfile(self.path):
+            # a resumed run replays the steps after its checkpoint: drop their stale records
+            with open(self.path) as f:
+                keep = [line for line in f if json.loads(line).get("step", -1) <= truncate_after]
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+
+    def print(self, *a):
+        if self.master:
+            print(*a, flush=True)
+
+    def record(self, **kv):
+        if self.master:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(kv) + "\n")
+
+
+def fmt_bytes(n):
+    return f"{n / 2**20:.1f}MiB" if n < 2**30 else f"{n / 2**30:.2f}GiB"
+
+
+def fmt_count(n):
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
+def describe(run):
+    """The resolved config, once, and the planner's model-state bytes and step peak of each stage."""
+    cfg, device = run.cfg, run.device
+    peak = peak_flops(device)
+    off = "" if run.compiled or not cfg.compile else " (off on CPU: --compile_cpu=True)"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bf16 = " (bf16 autocast, fp32 master weights)" if run.dtype == "bfloat16" else ""
+    triton = kernels.use_triton(torch.empty(0, device=device))
+    data = run.data
+    rows = [("device", f"{device} ({name})"), ("dtype", run.dtype + bf16),
+            ("compile", f"{run.compiled}{off}"),
+            ("kernels", ("triton" if triton else "pytorch reference")
+             + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
+            ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),
+            ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, "
+                     f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
+            ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
+            ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
+    rows += list(asdict(cfg).items())
+    run.log.print("\n".join(f"{k:>28} : {v}" for k, v in rows))
+    final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
+    opt = memory.planned_optimizer(cfg)
+    plan = grow.stage_memory(final, run.stage_layers, memory.state_bytes,
+                             train_embeddings=cfg.train_embeddings, optimizer=opt)
+    peaks = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)
+    galore = ", which GaLore's projection lowers" if cfg.optimizer == "galore" else ""
+    run.log.print(f"planned (int8 accounting, {opt} state{galore}): model state "
+                  + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan))
+                  + f"; step peak with {run.dtype} activations "
+                  + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
+    if device.type == "cuda":
+        warning = memory_warning(max(peaks), torch.cuda.mem_get_info(device)[0], device)
+        if warning:
+            run.log.print(warning)
+
+
+def memory_warning(planned, free, device):
+    """A line when the planned step peak is over the device's free memory, naming what to change."""
+    if planned <= free:
+        return None
+    return (f"warning: the planned step peak, {fmt_bytes(planned)}, is over the {fmt_bytes(free)} free on "
+            f"{device}: lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or "
+            f"set activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
+            f"CONFIG shows what each saves")
+
+
+def merge_record(sums):
+    """The metrics.jsonl fields of a merge's sums (model.last_merge)."""
+    kept, error = merge_quality(sums)
+    return {"merge_kept": kept, "merge_error": error}
+
+
+def merge_line(sums):
+    """The log's phrase for a merge's sums (model.last_merge)."""
+    kept, error = merge_quality(sums)
+    return (f"adapters merged: the int8 weights carry {100 * kept:.1f}% of the update (rounding error "
+            f"{100 * error:.1f}%)")
+
+
+# MFU denominators: dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity)
+PEAK_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12,
+              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of a CUDA device by name, or None (CPU, unknown GPU: MFU shows n/a)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():   # dict order puts specific names before their prefixes
+        if key in name:
+            return value
+    return None
+
+
+class Meter:
+    """Step time averaged over log intervals (the first, with compile and warm-up, left out), and
+    the log line."""
+
+    def __init__(self, run):
+        self.run, self.peak = run, peak_flops(run.device)
+        self.t_start = self.t_last = time.time()
+        self.ema_dt = None
+
+    def log(self, it, stage, model, loss, norm, lr):
+        run, cfg = self.run, self.run.cfg
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.time()
+        dt = (now - self.t_last) / cfg.log_interval
+        self.t_last = now
+        warm = it > cfg.log_interval
+        self.ema_dt = dt if self.ema_dt is None or not warm else 0.9 * self.ema_dt + 0.1 * dt
+        tok_s = run.tokens_per_iter / self.ema_dt
+        mfu = None
+        if self.peak and warm:   # the model's FLOPs per token change at each growth
+            mfu = 100 * model.estimate_flops() * tok_s / (self.peak * run.world)
+        tr, fr = model.num_params()
+        plan = memory.state_bytes(model.config, train_embeddings=model.config.train_embeddings,
+                                  optimizer=memory.planned_optimizer(run.cfg))
+        cuda_peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
+        loss_v = loss.item()
+        mfu_s = f"{mfu:5.1f}%" if mfu is not None else "  n/a"
+        cuda_s = f" | cuda peak {fmt_bytes(cuda_peak)}" if cuda_peak is not None else ""
+        eta = (run.total_iters - it) * self.ema_dt / 60
+        run.log.print(f"step {it:>6}/{run.total_iters} | stage {stage + 1}/{len(run.depth)} | loss "
+                      f"{loss_v:.4f} | lr {lr:.2e} | norm {norm.item():6.3f} | {1000 * dt:7.1f}ms | "
+                      f"{tok_s:9,.0f} tok/s | mfu {mfu_s} | train {fmt_count(tr)} frozen {fmt_count(fr)} | "
+                      f"model state {fmt_bytes(plan)} (planned){cuda_s} | eta {eta:.1f}m")
+        run.log.record(step=it, stage=stage + 1, loss=loss_v, lr=lr, grad_norm=norm.item(),
+                       ms_per_step=1000 * dt, tokens_per_s=tok_s, mfu=mfu, trainable=tr, frozen=fr,
+                       plan_bytes=plan, cuda_max_allocated=cuda_peak)
