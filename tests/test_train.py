@@ -333,6 +333,7 @@ def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moment
             load_config(args(tmp_path / "c", *common, bad, data=data))
 
 
+@pytest.mark.slow
 def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_path, monkeypatch):
     """--compile_cpu=True: torch.compile (inductor) on CPU, the frozen linears inside its graph,
     recompiled at the stage change; the losses follow the eager run's."""
@@ -348,3 +349,28 @@ def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_
     assert len(losses(eager)) == len(losses(compiled)) == 3
     for a, b in zip(losses(eager), losses(compiled)):
         assert abs(a - b) < 1e-3, (losses(eager), losses(compiled))
+
+
+def test_a_checkpoint_written_before_the_run_settings_left_the_model_config_loads_and_resumes(tmp_path,
+                                                                                               monkeypatch):
+    """tests/data/ckpt-v1.pt (model_args with activation_checkpointing and loss_chunk, from commit
+    f203019): the same loss on fixed tokens, and a resume that ends with the tensors that code's own
+    resume ended with."""
+    import shutil
+    from model import GPT
+    from stepgpt.checkpoint import load_checkpoint, tensor_digest
+    saved = json.load(open(os.path.join(ROOT, "tests", "data", "ckpt-v1.json")))
+    ckpt = load_checkpoint(os.path.join(ROOT, "tests", "data", "ckpt-v1.pt"))
+    assert "loss_chunk" in ckpt["model_args"]
+    model = GPT.from_checkpoint(ckpt).eval()
+    idx = torch.arange(32).view(2, 16) % 100
+    with torch.no_grad():
+        assert model(idx, idx.roll(-1, 1))[1].item() == pytest.approx(saved["loss"], rel=1e-5)
+    monkeypatch.chdir(tmp_path)
+    write_dataset(tmp_path / "data-v1")
+    os.makedirs("out-cont")
+    shutil.copy(os.path.join(ROOT, "tests", "data", "ckpt-v1.pt"), "out-cont/ckpt-00000006.pt")
+    argv = [a for a in saved["argv"] if not a.startswith(("--stop_at", "--out_dir"))]
+    train.main(argv + ["--out_dir=out-cont", "--init_from=resume"])
+    final = load_checkpoint(os.path.join("out-cont", saved["resumed_final"]))
+    assert tensor_digest(final["model"]) == saved["resumed_digest"]
