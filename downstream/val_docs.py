@@ -22,19 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
 from stepgpt.checkpoint import load_checkpoint
-from stepgpt.errors import UserError, run_cli
-from data.load import get_tokenizer
+from stepgpt.errors import run_cli
+from data.load import get_tokenizer, read_meta
 from model import GPT
 
 
 def documents(data_dir, max_tokens=0):
     """-> (the tokenizer of a prepared folder, the documents of its validation split as text)."""
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(meta_path):
-        raise UserError(f"no prepared data in {data_dir} (meta.json missing); run: python data/prepare.py "
-                        f"--out {data_dir}")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_meta(data_dir)
     enc = get_tokenizer(meta["tokenizer"], meta.get("vocab_ranks", 0))
     tokens = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"])
     docs, start = [], 0

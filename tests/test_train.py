@@ -374,3 +374,21 @@ def test_a_checkpoint_written_before_the_run_settings_left_the_model_config_load
     train.main(argv + ["--out_dir=out-cont", "--init_from=resume"])
     final = load_checkpoint(os.path.join("out-cont", saved["resumed_final"]))
     assert tensor_digest(final["model"]) == saved["resumed_digest"]
+
+
+def test_a_run_with_the_chunked_loss_is_scored_by_the_pipelines_bits_per_byte(tmp_path, capsys):
+    """loss_chunk and activation_checkpointing are run settings, not the model's: a checkpoint of a
+    run that used them gives logits to downstream/val_docs.py (it once got None, the chunked loss's)."""
+    from data.prepare import prepare
+    from downstream import val_docs
+    texts = tmp_path / "texts"
+    os.makedirs(texts)
+    for i in range(4):
+        (texts / f"{i}.txt").write_text("".join(f"Line {j} of part {i}: to be, or not.\n" for j in range(60)))
+    data = str(tmp_path / "data")
+    prepare(str(texts), data, vocab_ranks=512, val_fraction=0.25, workers=1)
+    train.main(args(tmp_path, "--stage_layers=[1,1]", "--max_iters=8", "--loss_chunk=8",
+                    "--activation_checkpointing=True", data=data))
+    val_docs.main([data, "--ckpt", str(tmp_path / "out")])
+    bits = float(capsys.readouterr().out.split("lm-eval's windows): ")[1])
+    assert 0 < bits < 20
