@@ -154,3 +154,17 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
                       "--warmup", "0", "--set", "device=cpu"])
     assert calls and set(calls) <= set(kernels.PATHS)
     assert "cpu, float32, torch" in capsys.readouterr().out
+
+
+def test_memory_bench_skips_the_8bit_rows_without_bitsandbytes(monkeypatch, capsys):
+    """With the base requirements only, bench/peak_memory.py runs to its end: the adamw8bit rows say
+    what to install and are skipped (before any work)."""
+    import importlib.util
+    from bench import peak_memory
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
+                        else find_spec(name, *a))
+    peak_memory.main(["--modes", "adamw8bit"])
+    out = capsys.readouterr().out
+    assert "| vanilla, step2, step3 | adamw8bit | skipped: optimizer=adamw8bit needs bitsandbytes " \
+           "(pip install bitsandbytes==0.50.2)" in out
