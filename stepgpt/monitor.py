@@ -11,20 +11,41 @@ import torch
 import grow
 from model import merge_quality
 from stepgpt import kernels, memory
+from stepgpt.checkpoint import checkpoint_files
+
+
+def read_metrics(path):
+    """-> (the records of a metrics.jsonl, how many lines were dropped): a line a kill tore in the
+    middle of a write, or left blank, is not a record."""
+    records, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                dropped += 1
+    return records, dropped
 
 
 class Logger:
-    """rank-0 printing plus a JSONL metrics file."""
+    """Rank-0 printing plus out_dir/metrics.jsonl, one JSON record per log and eval step. A resumed
+    run keeps the records up to its checkpoint's step (keep_until) and drops those after it, which
+    it replays; a fresh run (keep_until=-1) starts the file anew (checkpoint.claim has made sure the
+    folder holds no other run's checkpoints). The file is rewritten atomically."""
 
-    def __init__(self, out_dir, master, truncate_after=None):
+    def __init__(self, out_dir, master, keep_until):
         self.master = master
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        if master and truncate_after is not None and os.path.isfile(self.path):
-            # a resumed run replays the steps after its checkpoint: drop their stale records
-            with open(self.path) as f:
-                keep = [line for line in f if json.loads(line).get("step", -1) <= truncate_after]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+        if master and os.path.isfile(self.path):
+            records, dropped = read_metrics(self.path)
+            keep = [r for r in records if r.get("step", -1) <= keep_until]
+            if dropped or len(keep) < len(records):
+                what = "replaced (a fresh run)" if keep_until < 0 else f"kept up to step {keep_until}"
+                torn = f"; {dropped} torn or blank line(s) dropped" if dropped else ""
+                print(f"{self.path}: {what}{torn}", flush=True)
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in keep)
+            os.replace(self.path + ".tmp", self.path)
 
     def print(self, *a):
         if self.master:
@@ -34,6 +55,34 @@ class Logger:
         if self.master:
             with open(self.path, "a") as f:
                 f.write(json.dumps(kv) + "\n")
+
+
+def divergence_advice(cfg):
+    """What to do when the loss went non-finite, from the checkpoints in out_dir and the
+    val losses metrics.jsonl holds for their steps: every checkpoint was written before that step,
+    but its weights may already be diverging. A checkpoint whose val loss is above the untrained
+    model's (step 0's) is taken as diverged; of the others, the newest with the lower val loss is the
+    one to resume from, at a tenth of the learning rate (at most the default 1e-3). The newest two
+    only: those --init_from=resume and resume_previous reach."""
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    records = read_metrics(path)[0] if os.path.isfile(path) else []
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    files = [(int(os.path.basename(p)[5:-3]), p) for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
+    files = files[:2]   # --init_from=resume and resume_previous reach these two
+    lr = f"--learning_rate={min(cfg.learning_rate / 10, 1e-3):g}"
+    if not files:
+        return f"No checkpoint was written before it: start again with a lower learning rate, e.g. {lr}"
+    untrained = val.get(0, float("inf"))
+    seen = ", ".join(f"{p} (step {s}, val loss {val.get(s, float('nan')):.4g})" for s, p in files)
+    good = [(val.get(s, float("inf")), -s, p) for s, p in files if val.get(s, float("inf")) < untrained]
+    if not good:
+        return (f"The checkpoints, {seen}, score worse than the untrained model (val loss {untrained:.4g}): "
+                f"they hold diverged weights; start again in another --out_dir with a lower learning rate, "
+                f"e.g. {lr}")
+    best = min(good)[2]
+    how = "--init_from=resume" if best == files[0][1] else "--init_from=resume_previous"
+    return (f"The newest checkpoints: {seen}. Continue from {best}, the lower val loss, with a lower "
+            f"learning rate: {how} {lr}")
 
 
 def fmt_bytes(n):

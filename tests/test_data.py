@@ -79,7 +79,7 @@ def test_prepare_folder(tmp_path, enc):
     out = tmp_path / "out"
     meta = prep.prepare(str(write_folder(tmp_path / "texts")), str(out), vocab_ranks=512, val_fraction=0.3)
     assert json.loads((out / "meta.json").read_text()) == meta
-    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no tmp files left
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]  # no tmp file
     assert meta["vocab_size"] == 513 and meta["eot_token"] == 512 and meta["dtype"] == "uint16"
     assert meta["n_documents"] == 3 and meta["source"] == str(tmp_path / "texts")
     train, val = read_split(out, meta)
@@ -231,7 +231,7 @@ def test_workers_give_the_old_files(tmp_path, monkeypatch, enc, workers):
     train, val = read_split(tmp_path, meta)
     expected = old_split_tokens([d for d in STREAM if d["text"]][:30], enc)
     assert (train.tolist(), val.tolist()) == expected and meta["n_documents"] == 30
-    assert sorted(os.listdir(tmp_path)) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]
 
 KILLED = """
 import os, signal, sys
@@ -268,7 +268,7 @@ def test_a_killed_prepare_resumes(tmp_path, monkeypatch, capsys, enc):
     meta = prep.prepare("fineweb-edu", str(out), vocab_ranks=512, max_docs=100, workers=2)
     assert f"resuming: {state['n_docs']} documents ({state['tokens']:,} tokens)" in capsys.readouterr().out
     assert tuple(t.tolist() for t in read_split(out, meta)) == old_split_tokens(STREAM, enc)
-    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]
 
 def test_a_resume_needs_the_same_input_and_limits(tmp_path, monkeypatch, capsys, enc):
     monkeypatch.setattr(prep, "COMMIT_SECONDS", 0)
