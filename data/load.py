@@ -49,6 +49,8 @@ def read_meta(data_dir):
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); {fix}") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e}): make it readable, or {fix}") from None
     missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise UserError(f"{path} lacks {', '.join(missing)}; it was not written by data/prepare.py: {fix}")
@@ -101,7 +103,10 @@ def load_data(data_dir, block_size):
         if os.path.getsize(path) % dtype.itemsize:
             raise UserError(f"{path} holds {os.path.getsize(path)} bytes, not a whole number of {dtype.name} "
                             f"tokens: it is truncated or damaged; {fix}")
-        arr = np.memmap(path, dtype=dtype, mode="r")
+        try:
+            arr = np.memmap(path, dtype=dtype, mode="r")
+        except OSError as e:
+            raise UserError(f"cannot read {path} ({e.strerror or e}): make it readable, or {fix}") from None
         if len(arr) <= block_size + 1:
             raise UserError(f"{path} has {len(arr)} tokens, not more than block_size={block_size}+1; "
                             f"lower block_size or prepare more text")

@@ -1,0 +1,232 @@
+"""What users and schedulers do wrong, in-process (the subprocess cases are in test_faults.py): a run
+into a folder that holds another run's checkpoints, a resume under another schedule or other data, a
+diverging run, unreadable or odd files where ours should be, a torn metrics line, a re-prepare that
+fails halfway. Nothing is lost, and every failure is one line that names the problem and the fix."""
+import builtins
+import errno
+import json
+import os
+import re
+import shlex
+import signal
+
+import numpy as np
+import pytest
+
+import train
+from data import prepare as prep
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.errors import UserError
+from tests.helpers import write_dataset
+
+TINY = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
+        "--lora_rank=4", "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
+        "--stage_warmup_iters=1", "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4"]
+
+
+def run(tmp_path, *extra, out="out", data=None):
+    data = data or write_dataset(tmp_path / "data")
+    train.main(TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / out}", *extra])
+    return data
+
+
+def one_line(excinfo):
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# -- a run owns its out_dir ------------------------------------------------------------------------
+
+def test_a_fresh_run_into_a_folder_with_another_runs_checkpoints_stops_before_any_work(tmp_path):
+    data = run(tmp_path)
+    before = {p: os.path.getmtime(p) for p in checkpoint_files(str(tmp_path / "out"))}
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--seed=7", data=data)
+    assert "holds the checkpoints of an earlier run" in one_line(e) and "--init_from=resume" in str(e.value)
+    assert {p: os.path.getmtime(p) for p in checkpoint_files(str(tmp_path / "out"))} == before   # untouched
+
+
+def test_resume_previous_moves_the_newest_aside_so_a_later_resume_does_not_take_it(tmp_path, capsys):
+    data = run(tmp_path, "--keep_checkpoints=2")
+    out = str(tmp_path / "out")
+    newest, previous = checkpoint_files(out)
+    run(tmp_path, "--keep_checkpoints=2", "--init_from=resume_previous", "--eval_interval=3", data=data)
+    assert f"moved {newest} aside to {newest}.superseded" in capsys.readouterr().out
+    assert os.path.isfile(newest + ".superseded")
+    # the run from step 8 saved 9 and 12 (eval_interval 3): its own files are the folder's newest
+    assert [os.path.basename(p) for p in checkpoint_files(out)] == ["ckpt-00000012.pt", "ckpt-00000009.pt"]
+
+
+# -- resume under another schedule, other data, a stop before it -----------------------------------
+
+def test_a_checkpoint_past_the_new_schedules_end_is_refused_and_one_at_its_end_finishes(tmp_path, capsys):
+    tokens = "--stage_tokens=[384, 384]"                 # 6 + 6 steps of 4 x 16 tokens
+    data = run(tmp_path, tokens)
+    with pytest.raises(UserError) as e:
+        run(tmp_path, tokens, "--init_from=resume", "--batch_size=8", data=data)   # 3 + 3 steps
+    assert "is at step 12, past the end of this run's schedule (6 steps" in one_line(e)
+    capsys.readouterr()
+    run(tmp_path, tokens, "--init_from=resume", data=data)
+    out = capsys.readouterr().out
+    assert "is at the end of the schedule (step 12): nothing left to train" in out and "done: 12 iters" in out
+
+
+def test_stop_at_before_the_checkpoint_is_one_line(tmp_path):
+    data = run(tmp_path)
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--init_from=resume", "--stop_at=5", data=data)
+    assert "stop_at=5 is before checkpoint" in one_line(e) and "step 12" in str(e.value)
+
+
+def test_data_prepared_again_from_another_text_is_not_resumed(tmp_path):
+    data = run(tmp_path, "--stop_at=4")
+    write_dataset(data, n_train=5000, seed=3)            # the same folder, prepared again
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--init_from=resume", data=data)
+    assert "holds other data than checkpoint" in one_line(e)
+    assert "train_tokens 4000 then, 5000 now" in str(e.value)
+
+
+def test_a_trailing_slash_is_the_same_data_dir(tmp_path):
+    data = run(tmp_path, "--stop_at=4")
+    run(tmp_path, "--init_from=resume", data=data + "/")
+    assert load_checkpoint(str(tmp_path / "out"))["iter_num"] == 12
+
+
+# -- divergence ------------------------------------------------------------------------------------
+
+def test_the_advice_after_a_divergence_recovers_when_followed(tmp_path):
+    """A healthy run to step 8, then a learning rate of 1e30: the error names the checkpoints and their
+    val losses and gives a command; following it (the flags it names) trains to the end."""
+    data = run(tmp_path, "--stop_at=8", "--eval_interval=2")
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--init_from=resume", "--eval_interval=2", "--learning_rate=1e30", data=data)
+    message = one_line(e)
+    assert message.startswith("non-finite loss or gradient at step") and "ckpt-00000008.pt (step 8" in message
+    flags = shlex.split(message.split("learning rate: ")[1])
+    assert flags[0] in ("--init_from=resume", "--init_from=resume_previous")
+    assert flags[1].startswith("--learning_rate=")
+    run(tmp_path, "--eval_interval=2", "--learning_rate=1e30", *flags, data=data)
+    final = load_checkpoint(str(tmp_path / "out"))
+    assert final["iter_num"] == 12 and np.isfinite(final["best_val_loss"])
+
+
+def test_a_divergence_with_no_checkpoint_says_to_start_again(tmp_path):
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--learning_rate=1e30", "--eval_interval=100")
+    assert "No checkpoint was written before it: start again with a lower learning rate, e.g. " \
+           "--learning_rate=0.001" in one_line(e)
+
+
+# -- odd or unreadable files where ours should be --------------------------------------------------
+
+def test_a_directory_named_like_the_newest_checkpoint(tmp_path):
+    data = run(tmp_path, "--stop_at=8")
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "ckpt-00000010.pt"))
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--init_from=resume", data=data)
+    assert "ckpt-00000010.pt is unusable (not a file)" in one_line(e) and "resume_previous" in str(e.value)
+    with pytest.raises(UserError) as e:                 # sample.py and grow.py read a folder's newest
+        load_checkpoint(out)
+    assert "ckpt-00000008.pt: pass that file" in one_line(e)
+
+
+def test_rotation_leaves_a_directory_alone(tmp_path):
+    os.makedirs(tmp_path / "out" / "ckpt-00000001.pt")
+    with pytest.raises(UserError):                      # a folder with something named like a checkpoint
+        run(tmp_path)
+    os.rmdir(tmp_path / "out" / "ckpt-00000001.pt")
+    os.makedirs(tmp_path / "out" / "ckpt-00000099.pt.tmp")
+    run(tmp_path, "--keep_checkpoints=1")               # a directory among the temp names: not ours to remove
+    assert [os.path.basename(p) for p in checkpoint_files(str(tmp_path / "out"))] == ["ckpt-00000012.pt"]
+
+
+@pytest.mark.parametrize("name", ["meta.json", "train.bin", "val.bin"])
+def test_unreadable_data_files_are_one_line(tmp_path, monkeypatch, name):
+    data = write_dataset(tmp_path / "data")
+    real_open = builtins.open
+
+    def denied(path, *a, **k):
+        if os.fspath(path) == os.path.join(data, name):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(UserError) as e:
+        run(tmp_path, data=data)
+    assert f"cannot read {os.path.join(data, name)} (Permission denied)" in one_line(e)
+
+
+def test_an_unreadable_checkpoint_is_one_line(tmp_path, monkeypatch):
+    data = run(tmp_path, "--stop_at=8")
+    newest = checkpoint_files(str(tmp_path / "out"))[0]
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(
+        PermissionError(errno.EACCES, "Permission denied", path)) if os.fspath(path) == newest
+        else real_open(path, *a, **k))
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--init_from=resume", data=data)
+    assert "is unusable (unreadable (Permission denied))" in one_line(e)
+
+
+@pytest.mark.parametrize("tail", ['{"step": 9, "loss": 3.', "\n"])
+def test_a_torn_or_blank_last_metrics_line_is_dropped_on_resume(tmp_path, capsys, tail):
+    data = run(tmp_path, "--stop_at=8")
+    with open(tmp_path / "out" / "metrics.jsonl", "a") as f:
+        f.write(tail)                                    # a kill in the middle of a write
+    run(tmp_path, "--init_from=resume", data=data)
+    assert "1 torn or blank line(s) dropped" in capsys.readouterr().out
+    steps = [r["step"] for r in records(tmp_path / "out") if "val_loss" in r]
+    assert steps == [0, 4, 8, 12]
+
+
+# -- the eval a signal-saved checkpoint lacks ------------------------------------------------------
+
+def test_a_checkpoint_saved_on_a_signal_before_an_eval_step_gets_that_eval_on_resume(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """SIGTERM during step 7: the run saves after it, at step 8, before step 8's eval; the resumed
+    run evaluates step 8 first, so its metrics equal a straight run's (it once skipped that eval)."""
+    data = run(tmp_path, out="straight")
+    real_step = train.train_step
+
+    def signalled(run_, model, raw, opt, it):
+        out = real_step(run_, model, raw, opt, it)
+        if it == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_step", signalled)
+        run(tmp_path, data=data)
+    assert "stopped by SIGTERM after step 8" in capsys.readouterr().out
+    assert load_checkpoint(str(tmp_path / "out"))["evaluated"] is False
+    run(tmp_path, "--init_from=resume", data=data)
+    evals = lambda out: [(r["step"], r["val_loss"]) for r in records(out) if "val_loss" in r]   # noqa: E731
+    assert evals(tmp_path / "out") == evals(tmp_path / "straight")
+
+
+# -- prepare ---------------------------------------------------------------------------------------
+
+def test_a_reprepare_that_fails_halfway_leaves_the_earlier_folder_usable(tmp_path, monkeypatch):
+    texts = tmp_path / "texts"
+    os.makedirs(texts)
+    (texts / "a.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    out = str(tmp_path / "data")
+    meta = prep.prepare(str(texts), out, vocab_ranks=512, workers=1)
+    before = {n: open(os.path.join(out, n), "rb").read() for n in ("meta.json", "train.bin", "val.bin")}
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prep, "write_tokens", disk_full)
+    with pytest.raises(OSError, match=re.escape(f"could not write {out}/tokens.tmp (No space left on")):
+        prep.prepare(str(texts), out, vocab_ranks=256, workers=1)
+    assert {n: open(os.path.join(out, n), "rb").read() for n in before} == before
+    assert train.load_data(out, 16)[1] == meta
