@@ -3,6 +3,7 @@ checkpoint is being written), a full disk at save time. Every resumed run must e
 a run that was never interrupted ends (CPU)."""
 import errno
 import os
+import re
 import random
 import signal
 import subprocess
@@ -148,8 +149,10 @@ def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straigh
     monkeypatch.setattr(checkpoint._HashingWriter, "write", disk_fills_up)
     monkeypatch.setattr(checkpoint, "save_checkpoint", counting_save)
     with pytest.raises(UserError, match=r"could not write checkpoint .*ckpt-00000018.pt "
-                                        r"\(No space left on device\); "
-                                        r".*ckpt-00000012.pt is intact: free space, then resume"):
+                                        r"\(No space left on device\): it needs about [\d.]+ MiB, "
+                                        r"[\d,.]+ MiB are free there; the previous one, "
+                                        r".*ckpt-00000012.pt, is intact \(checksum verified\): free space, "
+                                        r"then --init_from=resume"):
         train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}"])
     # no temp file
     assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "ckpt-00000012.pt", "metrics.jsonl", "run.lock"]
@@ -165,3 +168,72 @@ def test_unwritable_out_dir_is_one_line_before_any_work(straight, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "is not writable" in proc.stderr and "choose another --out_dir" in proc.stderr
+
+
+def limited(max_bytes):
+    """preexec_fn: the child may write files of at most max_bytes (`ulimit -f`); Python ignores
+    SIGXFSZ, so a write past it fails with EFBIG, as a full disk fails with ENOSPC."""
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+
+def test_a_file_size_limit_at_save_time_is_one_line_and_keeps_the_previous_checkpoint(straight, tmp_path):
+    """A real failed write (ulimit -f, below the checkpoint's size) in a real run: one line naming the
+    bytes needed, no temp file left, the previous checkpoint intact and verified."""
+    _, data = straight
+    out = tmp_path / "out"
+    train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}", "--stop_at=6"])
+    size = os.path.getsize(checkpoint_files(str(out))[0])
+    proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}", f"--out_dir={out}",
+                           "--init_from=resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limited(size // 2))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert re.search(r"could not write checkpoint .*ckpt-00000012.pt \(File too large\): it needs about "
+                     r"[\d.]+ MiB, .* the previous one, .*ckpt-00000006.pt, is intact \(checksum verified\)",
+                     proc.stderr), proc.stderr
+    assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "metrics.jsonl", "run.lock"]
+
+
+def test_a_prepare_that_hits_a_file_size_limit_leaves_the_earlier_folder_usable(tmp_path):
+    texts = tmp_path / "texts"
+    os.makedirs(texts)
+    for i in range(4):
+        (texts / f"{i}.txt").write_text(f"Part {i}: to be, or not to be, that is the question.\n" * 400)
+    out = tmp_path / "data"
+    cmd = [sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}", "--vocab_ranks=512",
+           "--workers=1"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    before = {n: (out / n).read_bytes() for n in ("meta.json", "train.bin", "val.bin")}
+    proc = subprocess.run(cmd[:-2] + ["--vocab_ranks=300", "--workers=1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, preexec_fn=limited(2000))
+    last = proc.stderr.strip().splitlines()[-1]   # after tqdm's progress bar
+    assert proc.returncode != 0 and last.startswith("error: could not write") and "tokens.tmp" in last, \
+        proc.stderr[-2000:]
+    assert {n: (out / n).read_bytes() for n in before} == before
+
+
+def test_a_second_prepare_into_a_folder_being_prepared_stops_or_waits(tmp_path):
+    """While one process prepares a folder (here: the test holds its prepare.lock), data/prepare.py
+    into it stops at once in one line, before it writes anything; train.py's first use of the
+    default data (prepare(if_missing=True)) waits, then takes what the first process wrote."""
+    from stepgpt.lock import FolderLock
+    texts = tmp_path / "texts"
+    os.makedirs(texts)
+    (texts / "a.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    out = tmp_path / "data"
+    with FolderLock(str(out), "prepare.lock", "the data folder", "another --out"):
+        proc = subprocess.run([sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}",
+                               "--vocab_ranks=512", "--workers=1"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert sorted(os.listdir(out)) == ["prepare.lock"]
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "is in use by another process (pid" in proc.stderr and "prepare into another --out" in proc.stderr
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from data.prepare import prepare; "
+            f"print(prepare({str(texts)!r}, {str(out)!r}, vocab_ranks=512, workers=1, if_missing=True)"
+            f"['source'])")
+    with FolderLock(str(out), "prepare.lock", "the data folder", "another --out"):
+        user = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert user.stdout.readline().startswith("waiting for the process that holds the data folder")
+        write_dataset(str(out))                          # what the first process prepares
+    rest, _ = user.communicate(timeout=300)
+    assert user.returncode == 0 and rest.strip() == "synthetic test data"   # taken, not prepared again
