@@ -69,7 +69,7 @@ def test_a_second_run_into_a_live_out_dir_stops_at_once_and_a_killed_run_leaves_
             assert first.poll() is None, "the first run ended early"
         t0 = time.time()
         error = one_line_error(args + ["--max_iters=2"])
-        assert f"is in use by another run (pid {first.pid} on " in error
+        assert f"is in use by another process (pid {first.pid} on " in error
         assert "choose another --out_dir" in error
         assert time.time() - t0 < 60
     finally:
