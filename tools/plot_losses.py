@@ -7,18 +7,22 @@ Lines: training loss at the log steps; dots: val loss at the evals; dotted verti
 stage boundaries (growth).
 """
 import argparse
-import json
 import os
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
+    sys.path[0] = ROOT
+from stepgpt.monitor import read_metrics
 
 
 def load(run_dir):
     """-> (train [(step, loss)], val [(step, val loss)], the steps where a new stage starts)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[0]
     train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-    growth = [b["step"] for a, b in zip(recs, recs[1:])
+    # the last record of a stage: a record's step counts the steps done, the growth comes after them
+    growth = [a["step"] for a, b in zip(recs, recs[1:])
               if "stage" in a and b.get("stage", a["stage"]) > a["stage"]]
     return train, val, growth
 
