@@ -258,7 +258,7 @@ def test_a_killed_prepare_resumes(tmp_path, monkeypatch, capsys, enc):
     proc = subprocess.run([sys.executable, "-c", KILLED.format(root=ROOT, out=str(out))], capture_output=True,
                           text=True)
     assert proc.returncode == -9, proc.stderr
-    assert sorted(os.listdir(out)) == ["tokens.tmp", "tokens.tmp.docs", "tokens.tmp.json"]
+    assert sorted(os.listdir(out)) == ["prepare.lock", "tokens.tmp", "tokens.tmp.docs", "tokens.tmp.json"]
     state = json.loads((out / "tokens.tmp.json").read_text())
     assert 10 <= state["docs_read"] <= 25 and state["n_docs"] < state["docs_read"]  # some documents are empty
     with open(out / "tokens.tmp", "ab") as f:
