@@ -156,18 +156,6 @@ def setup(cfg):
         raise
 
 
-def precision(cfg, device):
-    """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (bench/step_time.py
-    times its steps the same way)."""
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype == "bfloat16" and device.type == "cpu":
-        raise UserError("dtype=bfloat16 autocast is for CUDA here; use --dtype=float32 on CPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    return dtype, autocast, cfg.compile and (device.type == "cuda" or cfg.compile_cpu)
-
-
 def _setup(cfg, ddp, rank, local, world, lock):
     name = cfg.device
     if name == "auto":
@@ -180,7 +168,7 @@ def _setup(cfg, ddp, rank, local, world, lock):
     if cfg.gradient_accumulation_steps % world:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a multiple "
                         f"of the world size {world} (each rank does an equal share)")
-    dtype, autocast, compiled = precision(cfg, device)
+    dtype, autocast, compiled = runtime.precision(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if ddp:

@@ -28,7 +28,7 @@ import grow
 import train
 from data.load import planned_vocab
 from model import GPT
-from stepgpt import kernels
+from stepgpt import kernels, runtime
 from stepgpt.config import load_config
 
 
@@ -82,7 +82,7 @@ def main(argv=None):
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(tcfg.device if tcfg.device != "auto" else auto)
     # as train.py runs: its precision (bf16 autocast on CUDA), TF32, compile, and kernel paths
-    dtype, autocast, compiled = train.precision(tcfg, device)
+    dtype, autocast, compiled = runtime.precision(tcfg, device)
 
     runs = {}
     for name, frozen in (("vanilla", 0), (f"STEP, {n_frozen} of {n_layer} frozen", n_frozen)):

@@ -1,12 +1,26 @@
-"""The processes of a training run, beside the loop in train.py: signals (a pre-empted job saves and
-stops) and the check that all DDP ranks hold the same weights. The out_dir lock is stepgpt/lock.py,
+"""How a training run executes, beside the loop in train.py: its precision, signals (a pre-empted job
+saves and stops) and the check that all DDP ranks hold the same weights. The out_dir lock is stepgpt/lock.py,
 checkpoints stepgpt/checkpoint.py, what a run prints and records stepgpt/monitor.py."""
 import signal
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from stepgpt.checkpoint import tensor_digest
+from stepgpt.errors import UserError
+
+
+def precision(cfg, device):
+    """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (train.py's runs and
+    bench/step_time.py's timed steps alike)."""
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype == "bfloat16" and device.type == "cpu":
+        raise UserError("dtype=bfloat16 autocast is for CUDA here; use --dtype=float32 on CPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    return dtype, autocast, cfg.compile and (device.type == "cuda" or cfg.compile_cpu)
 
 
 def check_replicas(run, model, when):
