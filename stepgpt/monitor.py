@@ -72,7 +72,6 @@ class Logger:
     def close(self, failed=False):
         for tracker in self.trackers:
             tracker.close(failed)
-        self.trackers = []
 
 
 class TensorBoard:
@@ -86,9 +85,9 @@ class TensorBoard:
         except ImportError:
             raise UserError("tensorboard_dir is set but TensorBoard is not installed: pip install "
                             "tensorboard==2.21.0 (or leave tensorboard_dir empty)") from None
-        self.start = resume_step or 0
+        self.start = 0 if resume_step is None else resume_step + 1   # the first step this attempt trains
         try:
-            self.writer = SummaryWriter(folder, purge_step=None if resume_step is None else resume_step + 1)
+            self.writer = SummaryWriter(folder, purge_step=self.start if resume_step is not None else None)
         except OSError as e:
             raise UserError(f"tensorboard_dir={folder!r} cannot be written ({e.strerror or e}); give a "
                             f"writable folder") from None
@@ -117,8 +116,9 @@ class WandB:
     """A Weights & Biases run in out_dir/wandb. It never stops or holds up training: without an API
     key it is offline from the start (no prompt, no wait), and a server that does not answer within
     WANDB_TIMEOUT seconds makes it offline too; either way one line says so, and `wandb sync` uploads
-    the run folder later. W&B keeps the steps it has been sent (a run's steps only grow): a resumed
-    run sends those after the last step its earlier attempts recorded (`after`)."""
+    the run folder later. W&B keeps the steps it has been sent (a run's steps only grow): a run that
+    continues a W&B run (`run_id`) sends those after the last step its earlier attempts recorded
+    (`after`)."""
 
     def __init__(self, cfg, run_id, after):
         try:
@@ -126,10 +126,9 @@ class WandB:
         except ImportError:
             raise UserError("wandb_log=True but wandb is not installed: pip install wandb==0.31.0 (or "
                             "--wandb_log=False)") from None
-        self.after = -1 if after is None else after
+        self.after = after if run_id is not None and after is not None else -1
         name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
-        kw = dict(project=cfg.wandb_project, name=name, id=run_id,
-                  resume="allow", dir=cfg.out_dir,
+        kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow", dir=cfg.out_dir,
                   settings=wandb.Settings(init_timeout=WANDB_TIMEOUT, finish_timeout=WANDB_TIMEOUT))
         why = f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None
         if why is None and not wandb.login(prompt=False, verify=False):

@@ -75,7 +75,8 @@ def test_tensorboard_holds_the_metrics_and_a_resume_adds_no_step_twice(tmp_path,
     marks = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors("events/text_summary")}
     assert sorted(marks) == [6, 10] and marks[6].startswith("== stage 2/2") and "ReLoRA" in marks[10]
     config = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("config/text_summary")]
-    assert len(config) == 2 and all("| learning_rate | 0.001 |" in c for c in config)   # at 0 and 8
+    assert [e.step for e in acc.Tensors("config/text_summary")] == [0, 9]   # the first step of each attempt
+    assert all("| learning_rate | 0.001 |" in c for c in config) and "| init_from | resume |" in config[1]
 
 
 # -- W&B ------------------------------------------------------------------------------------------
@@ -199,6 +200,13 @@ def test_a_missing_package_is_one_line_naming_the_install(tmp_path, monkeypatch,
     with pytest.raises(UserError, match=install) as e:
         train.main(args(tmp_path, "--max_iters=2", key))
     assert "\n" not in str(e.value)
+
+
+def test_an_unwritable_tensorboard_dir_is_one_line(tmp_path):
+    pytest.importorskip("tensorboard", reason="pip install tensorboard==2.21.0 (requirements-test.txt)")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="tensorboard_dir=.* cannot be written"):
+        train.main(args(tmp_path, "--max_iters=2", f"--tensorboard_dir={tmp_path / 'file' / 'tb'}"))
 
 
 def test_tracking_is_off_by_default_and_the_keys_are_runtime_keys(tmp_path):
