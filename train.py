@@ -258,11 +258,11 @@ def enter_stage(run, raw, opt, stage, it):
                     train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
     raw.to(run.device)
     merged, (tr, fr) = raw.last_merge, raw.num_params()
-    run.log.mark(it, f"== stage {stage + 1}/{len(run.depth)}: grew {n_new} layers ({cfg.grow_init}, "
-                     f"{cfg.grow_where}) to {raw.config.n_layer}; frozen layers "
-                     f"{list(raw.config.frozen_layers)}; trainable {monitor.fmt_count(tr)}, frozen "
-                     f"{monitor.fmt_count(fr)}"
-                     + ("" if merged is None else f"; {monitor.merge_line(merged)}"))
+    run.log.print(f"== stage {stage + 1}/{len(run.depth)}: grew {n_new} layers ({cfg.grow_init}, "
+                  f"{cfg.grow_where}) to {raw.config.n_layer}; frozen layers "
+                  f"{list(raw.config.frozen_layers)}; trainable {monitor.fmt_count(tr)}, frozen "
+                  f"{monitor.fmt_count(fr)}"
+                  + ("" if merged is None else f"; {monitor.merge_line(merged)}"), mark=it)
     opt = configure_optimizer(raw, cfg, run.device, previous=opt, carried=grow.carried_parameters(raw))
     runtime.check_replicas(run, raw, f"after the growth at step {it}")
     model, evaluator = wrap(run, raw)
@@ -359,8 +359,8 @@ def train(cfg):
                     opt, model, evaluator = enter_stage(run, raw, opt, stage, it)
                 elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
                     optim.relora_restart(raw, opt, cfg, it)
-                    run.log.mark(it, f"== ReLoRA restart at step {it}: {monitor.merge_line(raw.last_merge)}; "
-                                     f"adapters re-initialised")
+                    run.log.print(f"== ReLoRA restart at step {it}: {monitor.merge_line(raw.last_merge)}; "
+                                  f"adapters re-initialised", mark=it)
                     runtime.check_replicas(run, raw, f"after the ReLoRA restart at step {it}")
                     run.log.record(step=it, stage=stage + 1, **monitor.merge_record(raw.last_merge))
 

@@ -17,7 +17,7 @@ from stepgpt.errors import UserError
 class Logger:
     """rank-0 printing, metrics.jsonl, and the trackers: each record of metrics.jsonl goes to them as
     scalars named by its keys, at its step; the log lines that begin a stage or a ReLoRA restart
-    (mark) and the resolved config (config) go too."""
+    (print's mark) and the resolved config (config) go too."""
 
     def __init__(self, cfg, master, resume_step=None, wandb_id=None):
         self.master = master
@@ -41,9 +41,14 @@ class Logger:
             self.trackers.append(WandB(cfg, wandb_id, sent))
             self.wandb_id = self.trackers[-1].run.id
 
-    def print(self, *a):
+    def print(self, *a, mark=None):
+        """Rank 0 prints; with `mark` (a step), the line also goes on the trackers' timeline at that
+        step (a stage boundary, a ReLoRA restart)."""
         if self.master:
             print(*a, flush=True)
+        if mark is not None:
+            for tracker in self.trackers:
+                tracker.text(mark, " ".join(map(str, a)))
 
     def record(self, **kv):
         if not self.master:
@@ -58,12 +63,6 @@ class Logger:
         self.written.update(dict.fromkeys(scalars, step))
         for tracker in self.trackers:
             tracker.scalars(step, scalars)
-
-    def mark(self, step, line):
-        """A log line that marks a point of the run (a stage boundary, a ReLoRA restart)."""
-        self.print(line)
-        for tracker in self.trackers:
-            tracker.text(step, line)
 
     def config(self, values):
         for tracker in self.trackers:
