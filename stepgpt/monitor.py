@@ -127,8 +127,9 @@ class WandB:
                             "--wandb_log=False)") from None
         self.after = after if run_id is not None and after is not None else -1
         name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
-        kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow", dir=cfg.out_dir,
-                  settings=wandb.Settings(init_timeout=WANDB_TIMEOUT, finish_timeout=WANDB_TIMEOUT))
+        kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow" if run_id else None,
+                  dir=cfg.out_dir, settings=wandb.Settings(init_timeout=WANDB_TIMEOUT,
+                                                           finish_timeout=WANDB_TIMEOUT))
         why = f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None
         if why is None and not wandb.login(prompt=False, verify=False):
             why = "no W&B API key: `wandb login` or WANDB_API_KEY"
