@@ -57,7 +57,7 @@ class Logger:
             f.write(json.dumps(kv) + "\n")
         step = kv["step"]
         # one value per name and step: at a stage boundary the step's training record, the merge and
-        # the eval all carry `stage`, and the first (the stage the step trained in) is kept
+        # the eval all carry `stage`; the first is kept (the training record's, where the step logs)
         scalars = {k: v for k, v in kv.items()
                    if k != "step" and v is not None and self.written.get(k, -1) < step}
         self.written.update(dict.fromkeys(scalars, step))
@@ -107,7 +107,7 @@ class TensorBoard:
 
 
 # seconds wandb.init waits for the server before the run goes offline; the end of the run waits as
-# long at most for its uploads (what is left stays in the run folder for `wandb sync`)
+# long at most for its uploads (what is left is in the run folder's transaction log, for `wandb sync`)
 WANDB_TIMEOUT = 30
 
 
