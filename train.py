@@ -132,6 +132,8 @@ class Run:
         return self
 
     def __exit__(self, *exc):
+        if self.log:
+            self.log.close(failed=exc[0] is not None)
         if self.lock:
             self.lock.release()
 
@@ -237,7 +239,8 @@ def build(run):
     if run.resuming:
         opt.load_state_dict(ckpt["optimizer"])
         checkpoint.restore(ckpt, run.device)
-    run.log = monitor.Logger(cfg.out_dir, run.master, keep_until=it if run.resuming else -1)
+    run.log = monitor.Logger(cfg, run.master, keep_until=it if run.resuming else -1,
+                             wandb_id=ckpt.get("wandb_id") if run.resuming else None)
     return model, opt, it, best_val
 
 
@@ -256,7 +259,7 @@ def enter_stage(run, raw, opt, stage, it):
                   f"{cfg.grow_where}) to {raw.config.n_layer}; frozen layers "
                   f"{list(raw.config.frozen_layers)}; trainable {monitor.fmt_count(tr)}, frozen "
                   f"{monitor.fmt_count(fr)}"
-                  + ("" if merged is None else f"; {monitor.merge_line(merged)}"))
+                  + ("" if merged is None else f"; {monitor.merge_line(merged)}"), mark=it)
     opt = configure_optimizer(raw, cfg, run.device, previous=opt, carried=grow.carried_parameters(raw))
     runtime.check_replicas(run, raw, f"after the growth at step {it}")
     model, evaluator = wrap(run, raw)
@@ -353,7 +356,7 @@ def train(cfg):
                 elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
                     optim.relora_restart(raw, opt, cfg, it)
                     run.log.print(f"== ReLoRA restart at step {it}: {monitor.merge_line(raw.last_merge)}; "
-                                  f"adapters re-initialised")
+                                  f"adapters re-initialised", mark=it)
                     runtime.check_replicas(run, raw, f"after the ReLoRA restart at step {it}")
                     run.log.record(step=it, stage=stage + 1, **monitor.merge_record(raw.last_merge))
 

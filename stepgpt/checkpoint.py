@@ -25,7 +25,8 @@ from stepgpt.errors import UserError
 # keys a run may change when it resumes without changing what it computes
 RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
                 "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every",
-                "activation_checkpointing", "loss_chunk"}
+                "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log", "wandb_project",
+                "wandb_run_name"}
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
 # what a prepared folder's meta.json says of its data that a resume needs unchanged
@@ -239,7 +240,7 @@ def save(run, model, opt, it, best_val, evaluated):
         save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
             "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
             "iter_num": it, "best_val_loss": best_val, "evaluated": evaluated, "config": asdict(run.cfg),
-            "meta": run.meta, "kernels": kernels.state(),
+            "meta": run.meta, "kernels": kernels.state(), "wandb_id": run.log.wandb_id,
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                     "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}},

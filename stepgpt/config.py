@@ -77,6 +77,13 @@ class TrainConfig(GPTConfig):
     loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
                                         # the backward, so the full logits and their gradient never exist
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
+    # tracking: what metrics.jsonl holds, also sent to TensorBoard and/or W&B (rank 0; off by default)
+    tensorboard_dir: str = ""           # a folder for TensorBoard's event files ("": none); pip install
+                                        # tensorboard; then: tensorboard --logdir <that folder>
+    wandb_log: bool = False             # log to Weights & Biases (pip install wandb); offline, saying so,
+                                        # when no API key is configured or the server does not answer
+    wandb_project: str = "step-gpt"
+    wandb_run_name: str = ""            # "": out_dir's name
 
     def __post_init__(self):
         if self.frozen_layers:
@@ -119,6 +126,9 @@ class TrainConfig(GPTConfig):
         if any(not isinstance(t, int) or t < 1 for t in self.stage_tokens):
             raise UserError(f"stage_tokens={self.stage_tokens}: every stage needs a positive whole number "
                             f"of tokens")
+        if not re.fullmatch(r"[^/\\#?%:]{1,128}", self.wandb_project):
+            raise UserError(f"wandb_project={self.wandb_project!r}: W&B takes 1 to 128 characters, none of "
+                            f"/ \\ # ? % :")
         if self.max_iters < 1 and not self.stage_tokens:
             raise UserError("max_iters must be >= 1 (or give stage_tokens)")
         self._check_stages()

@@ -1,6 +1,6 @@
 """What a run shows and records: the resolved config and the plan (describe), the log line with
 loss, lr, tokens/s, MFU and ETA (Meter), and metrics.jsonl, one JSON record per log and eval step
-(Logger). Rank 0 only."""
+(Logger), which the trackers a config turns on (TensorBoard, W&B) get too. Rank 0 only."""
 import json
 import os
 import time
@@ -12,6 +12,7 @@ import grow
 from model import merge_quality
 from stepgpt import kernels, memory
 from stepgpt.checkpoint import checkpoint_files
+from stepgpt.errors import UserError
 
 
 def read_metrics(path):
@@ -28,14 +29,19 @@ def read_metrics(path):
 
 
 class Logger:
-    """Rank-0 printing plus out_dir/metrics.jsonl, one JSON record per log and eval step. A resumed
-    run keeps the records up to its checkpoint's step (keep_until) and drops those after it, which
-    it replays; a fresh run (keep_until=-1) starts the file anew (checkpoint.claim has made sure the
-    folder holds no other run's checkpoints). The file is rewritten atomically."""
+    """Rank-0 printing, out_dir/metrics.jsonl (one JSON record per log and eval step) and the
+    trackers: each record goes to them as scalars named by its keys, at its step; the log lines that
+    begin a stage or a ReLoRA restart (print's mark) and the resolved config (config) go too.
+    A resumed run keeps the records up to its checkpoint's step (keep_until) and drops those after
+    it, which it replays; a fresh run (keep_until=-1) starts the file anew (checkpoint.claim has made
+    sure the folder holds no other run's checkpoints). The file is rewritten atomically."""
 
-    def __init__(self, out_dir, master, keep_until):
+    def __init__(self, cfg, master, keep_until, wandb_id=None):
         self.master = master
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.wandb_id = wandb_id     # the checkpoint keeps it: a resumed run continues the same W&B run
+        self.trackers, self.written = [], {}
+        sent = keep_until            # the last step the run's earlier attempts recorded
         if master and os.path.isfile(self.path):
             records, dropped = read_metrics(self.path)
             keep = [r for r in records if r.get("step", -1) <= keep_until]
@@ -46,15 +52,131 @@ class Logger:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in keep)
             os.replace(self.path + ".tmp", self.path)
+            sent = max([r.get("step", -1) for r in records] + [keep_until])
+        if not master or cfg.dry_run or cfg.eval_only:
+            return
+        resume_step = keep_until if keep_until >= 0 else None
+        if cfg.tensorboard_dir:
+            self.trackers.append(TensorBoard(cfg.tensorboard_dir, resume_step))
+        if cfg.wandb_log:
+            self.trackers.append(WandB(cfg, wandb_id, sent if resume_step is not None else None))
+            self.wandb_id = self.trackers[-1].run.id
 
-    def print(self, *a):
+    def print(self, *a, mark=None):
+        """Rank 0 prints; with `mark` (a step), the line also goes on the trackers' timeline at that
+        step (a stage boundary, a ReLoRA restart)."""
         if self.master:
             print(*a, flush=True)
+        if mark is not None:
+            for tracker in self.trackers:
+                tracker.text(mark, " ".join(map(str, a)))
 
     def record(self, **kv):
-        if self.master:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(kv) + "\n")
+        if not self.master:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        step = kv["step"]
+        # one value per name and step: at a stage boundary the step's training record, the merge and
+        # the eval all carry `stage`; the first is kept (the training record's, where the step logs)
+        scalars = {k: v for k, v in kv.items()
+                   if k != "step" and v is not None and self.written.get(k, -1) < step}
+        self.written.update(dict.fromkeys(scalars, step))
+        for tracker in self.trackers:
+            tracker.scalars(step, scalars)
+
+    def config(self, values):
+        for tracker in self.trackers:
+            tracker.config(values)
+
+    def close(self, failed=False):
+        for tracker in self.trackers:
+            tracker.close(failed)
+
+
+class TensorBoard:
+    """TensorBoard's event files (torch's SummaryWriter). A resumed run purges the steps after its
+    checkpoint (purge_step): readers drop what the earlier attempt wrote from there on, as the
+    resume drops those records from metrics.jsonl, so no step appears twice."""
+
+    def __init__(self, folder, resume_step):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("tensorboard_dir is set but TensorBoard is not installed: pip install "
+                            "tensorboard==2.21.0 (or leave tensorboard_dir empty)") from None
+        self.start = 0 if resume_step is None else resume_step + 1   # the first step this attempt trains
+        try:
+            self.writer = SummaryWriter(folder, purge_step=self.start if resume_step is not None else None)
+        except OSError as e:
+            raise UserError(f"tensorboard_dir={folder!r} cannot be written ({e.strerror or e}); give a "
+                            f"writable folder") from None
+
+    def scalars(self, step, values):
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def text(self, step, line):
+        self.writer.add_text("events", line, step)
+
+    def config(self, values):
+        rows = "".join(f"| {k} | {v} |\n" for k, v in values.items())
+        self.writer.add_text("config", "| key | value |\n|---|---|\n" + rows, self.start)
+
+    def close(self, failed):
+        self.writer.close()
+
+
+# seconds wandb.init waits for the server before the run goes offline; the end of the run waits as
+# long at most for its uploads (what is left is in the run folder's transaction log, for `wandb sync`)
+WANDB_TIMEOUT = 30
+
+
+class WandB:
+    """A Weights & Biases run in out_dir/wandb. It never stops or holds up training: without an API
+    key it is offline from the start (no prompt, no wait), and a server that does not answer within
+    WANDB_TIMEOUT seconds makes it offline too; either way one line says so, and `wandb sync` uploads
+    the run folder later. W&B keeps the steps it has been sent (a run's steps only grow): a run that
+    continues a W&B run (`run_id`) sends those after the last step its earlier attempts recorded
+    (`after`)."""
+
+    def __init__(self, cfg, run_id, after):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("wandb_log=True but wandb is not installed: pip install wandb==0.31.0 (or "
+                            "--wandb_log=False)") from None
+        self.after = after if run_id is not None and after is not None else -1
+        name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
+        kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow" if run_id else None,
+                  dir=cfg.out_dir, settings=wandb.Settings(init_timeout=WANDB_TIMEOUT,
+                                                           finish_timeout=WANDB_TIMEOUT))
+        why = f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None
+        if why is None and not wandb.login(prompt=False, verify=False):
+            why = "no W&B API key: `wandb login` or WANDB_API_KEY"
+            kw["mode"] = "offline"
+        try:
+            self.run = wandb.init(**kw)
+        except wandb.errors.Error as e:   # the server did not answer in time, or refused the key
+            why = f"the W&B server could not be used: {type(e).__name__}: {(str(e) or '?').splitlines()[0]}"
+            self.run = wandb.init(**{**kw, "mode": "offline"})
+        if self.run.offline:
+            folder = os.path.dirname(self.run.dir)
+            print(f"wandb: offline ({why}); the run is in {folder}: upload it with `wandb sync {folder}`",
+                  flush=True)
+
+    def scalars(self, step, values):
+        if step > self.after:
+            self.run.log(values, step=step)
+
+    def text(self, step, line):
+        pass   # W&B keeps the console's lines; its `stage` scalar marks the boundaries
+
+    def config(self, values):
+        self.run.config.update(values, allow_val_change=True)
+
+    def close(self, failed):
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def divergence_advice(cfg):
@@ -102,17 +224,17 @@ def describe(run):
     bf16 = " (bf16 autocast, fp32 master weights)" if run.dtype == "bfloat16" else ""
     triton = kernels.use_triton(torch.empty(0, device=device))
     data = run.data
-    rows = [("device", f"{device} ({name})"), ("dtype", run.dtype + bf16),
-            ("compile", f"{run.compiled}{off}"),
-            ("kernels", ("triton" if triton else "pytorch reference")
-             + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
-            ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),
-            ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, "
-                     f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
-            ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
-            ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
-    rows += list(asdict(cfg).items())
-    run.log.print("\n".join(f"{k:>28} : {v}" for k, v in rows))
+    facts = [("device", f"{device} ({name})"), ("dtype", run.dtype + bf16),
+             ("compile", f"{run.compiled}{off}"),
+             ("kernels", ("triton" if triton else "pytorch reference")
+              + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
+             ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),
+             ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, "
+                      f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
+             ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
+             ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
+    run.log.print("\n".join(f"{k:>28} : {v}" for k, v in facts + list(asdict(cfg).items())))
+    run.log.config({**asdict(cfg), "resolved": dict(facts)})
     final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
     opt = memory.planned_optimizer(cfg)
     plan = grow.stage_memory(final, run.stage_layers, memory.state_bytes,

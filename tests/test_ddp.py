@@ -1,7 +1,10 @@
 """DDP with torchrun on 2 CPU ranks (gloo): the same config on 1 process and on 2 ranks is the same
 run, ranks never diverge, checkpoints move between world sizes, ZeRO-1 changes nothing but memory,
 and every shipped config's accumulation pattern runs. What this cannot test here: NCCL on GPUs."""
+import json
 import os
+import shlex
+import socket
 import subprocess
 import sys
 
@@ -136,20 +139,68 @@ def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
     assert load_checkpoint(str(tmp_path))["iter_num"] == 2 * stages
 
 
-def test_multi_node_command_with_two_nodes_on_localhost(runs, tmp_path):
-    """The README's two-node torchrun commands (c10d rendezvous), scaled down to 1 process per node,
-    both nodes on this machine."""
-    import socket
-    _, data, _ = runs
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    common = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-              "--rdzv_id=test"]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={rank}",
-                               "train.py", *TINY, f"--data_dir={data}", f"--out_dir={tmp_path}"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    outs = [n.communicate(timeout=300) for n in nodes]
-    assert all(n.returncode == 0 for n in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "world size : 2" in outs[0][0] and load_checkpoint(str(tmp_path))["iter_num"] == 12
+def readme_commands():
+    """The commands of the README's "Many GPUs, many days" block, as argument lists (continuation
+    lines joined, comments dropped)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split("### Many GPUs, many days", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.strip()]
+
+
+def test_the_readmes_two_node_commands_run_as_two_nodes_on_localhost(tmp_path):
+    """The README's two torchrun commands (c10d rendezvous), node ranks 0 and 1 as two processes on
+    this machine, one rank each, scaled down in size only (the model, the batch, the token budget and
+    the schedule's lengths): the run ends where one process ends, and the README's resume command,
+    on one process, continues a two-node run stopped in stage 2 to the same end."""
+    commands = readme_commands()
+    nodes = [c for c in commands if "--nnodes=2" in c]
+    resume = next(c for c in commands if c[0] == "python" and "--init_from=resume" in c)
+    assert [[a for a in c if a.startswith("--node_rank")] for c in nodes] == [["--node_rank=0"],
+                                                                              ["--node_rank=1"]], nodes
+    assert all("--rdzv_endpoint=HOST0:29500" in c and "--nproc_per_node=8" in c for c in nodes), nodes
+    data = write_dataset(tmp_path / "data")
+    # 512 tokens per step (gradient_accumulation_steps stays the config's 16: 8 micro-steps per node),
+    # 6 steps per stage, the growth at step 6, evals at 0, 4, 8, 12
+    size = ["--vocab_size=0", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16",
+            "--lora_rank=4", "--lora_alpha=8.0", "--target_layers=4", "--batch_size=2",
+            "--stage_tokens=[3072, 3072]", "--warmup_iters=2", "--stage_warmup_iters=2", "--eval_interval=4",
+            "--eval_iters=4", "--log_interval=1", "--sample_tokens=0", f"--data_dir={data}"]
+
+    def two_nodes(out, *extra):
+        extra = (f"--out_dir={out}", *extra)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        try:
+            for command in nodes:   # torchrun's arguments: this machine's address, one process
+                torchrun = [a.replace("HOST0:29500", f"127.0.0.1:{port}") for a in command[1:]]
+                torchrun = [a.replace("--nproc_per_node=8", "--nproc_per_node=1") for a in torchrun]
+                cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, *size, *extra]
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True))
+            outs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+        return "".join(o for o, _ in outs)
+
+    def one_process(command, out):
+        return ok(subprocess.run([sys.executable, *command[1:], *size, f"--out_dir={out}"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=600))
+
+    straight = [a for a in resume if a != "--init_from=resume"]         # python train.py CONFIG
+    one = one_process(straight, tmp_path / "one")
+    two = two_nodes(tmp_path / "two")
+    assert "world size : 1" in one and "world size : 2" in two and two.count("== stage 2/2") == 1
+    assert_same_run(tmp_path / "one", tmp_path / "two", atol=1e-4)
+    val = [[m["val_loss"] for m in map(json.loads, open(tmp_path / run / "metrics.jsonl")) if "val_loss" in m]
+           for run in ("one", "two")]
+    assert len(val[0]) == len(val[1]) == 4 and abs(val[0][-1] - val[1][-1]) < 1e-3, val
+    two_nodes(tmp_path / "two-then-one", "--stop_at=8")
+    assert load_checkpoint(str(tmp_path / "two-then-one"))["iter_num"] == 8
+    assert "resuming from" in one_process(resume, tmp_path / "two-then-one")
+    assert_same_run(tmp_path / "one", tmp_path / "two-then-one", atol=1e-4)
