@@ -1,11 +1,13 @@
 """The bench/ scripts run as their docstrings show (the quick ones in full, the long ones scaled down)."""
+import argparse
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.helpers import write_dataset
+from tests.helpers import needs_interpreter, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
@@ -146,6 +148,7 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
     warm-up: every step is timed)."""
     from bench import step_time
     from stepgpt import kernels
+    needs_interpreter()
     monkeypatch.setenv("STEP_KERNELS", "triton")
     calls = []
     forward = kernels.forward
@@ -154,3 +157,56 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
                       "--warmup", "0", "--set", "device=cpu"])
     assert calls and set(calls) <= set(kernels.PATHS)
     assert "cpu, float32, torch" in capsys.readouterr().out
+
+
+def test_step_time_table_is_written_after_each_window(tmp_path, monkeypatch, capsys):
+    """bench/step_time.py --out: the table as a file, rewritten after each window, so a run stopped
+    at a time limit leaves the windows it finished (here the third window's first step fails)."""
+    from bench import step_time
+    out = tmp_path / "step_time.md"
+    argv = ["--layers", "2", "--batch", "2", "--block", "16", "--windows", "3", "--steps", "1",
+            "--warmup", "0", "--out", str(out)]
+    step_time.main(argv)
+    printed = capsys.readouterr().out.splitlines()
+    assert out.read_text().splitlines() == printed[:1] + [""] + printed[1:]
+    calls = []
+    real = step_time.step
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 5:   # 2 models x 2 windows done
+            raise RuntimeError("killed")
+        real(*args)
+
+    monkeypatch.setattr(step_time, "step", failing)
+    with pytest.raises(RuntimeError):
+        step_time.main(argv)
+    lines = out.read_text().splitlines()
+    assert lines[1] == "(partial: 2 of 3 windows)" and lines[3].startswith("| model")
+    assert lines[-1].startswith("STEP / vanilla step time: ")
+
+
+def test_kernel_table_is_written_after_each_shape(tmp_path, monkeypatch):
+    """bench/kernels.py --out rewrites its markdown after each layer shape (a run killed at a time
+    limit leaves the shapes it finished), marked partial until the last; the targets at the end.
+    The GPU measurement is replaced by fixed rows: only the writing is checked here."""
+    from bench import kernels as bench
+    out = tmp_path / "kernels.md"
+    seen = []
+
+    def fake(model, layer, n, k, m, r, paths, reverse):
+        seen.append(out.read_text() if out.exists() else "")
+        t = (1.0, 0.9, 1.1)
+        return [dict(model=model, layer=layer, n=n, k=k, m=m, r=r, provider=name, configs="", fwd=t, bwd=t,
+                     full=t, tflops_fwd=1.0, tflops_full=1.0, peak=1.0)
+                for name in ("step:fused*", "step:hybrid", "reference", "bf16 frozen", "bf16 trained")]
+
+    monkeypatch.setattr(bench, "bench_config", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    bench.run_gpu(argparse.Namespace(quick=True, out=str(out)))
+    assert seen[0] == "" and "**Partial: 1 of 6 configurations measured.**" in seen[1]
+    assert seen[1].count("| 350M | q/k/v/o |") == 5 and "| gate/up |" not in seen[1]
+    final = out.read_text()
+    assert "Partial" not in final and final.count("| 1B | down |") == 5
+    assert "- FAIL  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" not in final
+    assert "- PASS  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" in final
