@@ -237,9 +237,11 @@ def run_gpu(args):
         print(f"wrote {args.out}")
 
 
-def run_cpu_check():
-    """Every path against the reference on one ragged shape, in the Triton interpreter."""
-    print("no CUDA device: correctness check in the Triton interpreter only; timings need a GPU")
+def run_cpu_check(out=None):
+    """Every path against the reference on one ragged shape, in the Triton interpreter; the lines
+    also to the file `out`."""
+    lines = ["no CUDA device: correctness check in the Triton interpreter only; timings need a GPU"]
+    print(lines[0])
     if frozen_lora.INTERPRETER_PROBLEM:
         print(f"bench/kernels.py: {frozen_lora.INTERPRETER_PROBLEM}")
         return 1
@@ -262,8 +264,12 @@ def run_cpu_check():
         errs = [((u - v).abs().max() / v.abs().max()).item() for u, v in zip(out, ref)]
         good = all(e < 1e-4 for e in errs)
         ok &= good
-        print(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  dB {errs[3]:.1e}"
-              f"  {'ok' if good else 'MISMATCH'}")
+        lines.append(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  "
+                     f"dB {errs[3]:.1e}  {'ok' if good else 'MISMATCH'}")
+        print(lines[-1])
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 0 if ok else 1
 
 
@@ -274,7 +280,7 @@ def main():
     parser.add_argument("--out", help="also write the results as markdown to this file")
     args = parser.parse_args()
     if not HAS_CUDA:
-        return run_cpu_check()
+        return run_cpu_check(args.out)
     run_gpu(args)
     return 0
 
