@@ -237,9 +237,9 @@ def run_gpu(args):
         print(f"wrote {args.out}")
 
 
-def run_cpu_check(out=None):
+def run_cpu_check(out_file=None):
     """Every path against the reference on one ragged shape, in the Triton interpreter; the lines
-    also to the file `out`."""
+    also to `out_file`."""
     lines = ["no CUDA device: correctness check in the Triton interpreter only; timings need a GPU"]
     print(lines[0])
     if frozen_lora.INTERPRETER_PROBLEM:
@@ -267,8 +267,8 @@ def run_cpu_check(out=None):
         lines.append(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  "
                      f"dB {errs[3]:.1e}  {'ok' if good else 'MISMATCH'}")
         print(lines[-1])
-    if out:
-        with open(out, "w") as f:
+    if out_file:
+        with open(out_file, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0 if ok else 1
 

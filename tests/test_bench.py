@@ -271,6 +271,37 @@ def test_gpu_check_under_the_lent_machines_conditions(tmp_path):
     assert "train: rc=0" in log + log2 and "sample written to" in log + log2
 
 
+def test_gpu_check_kills_a_step_that_ignores_term_in_time_for_its_deadline(tmp_path):
+    """A step whose processes ignore SIGTERM (here: the kernel tests replaced by two sleepers that
+    ignore it) is killed with its whole process group, KILL after the grace period, so that the
+    call still ends before GPU_CHECK_DEADLINE; its output is kept as a partial file, and the call
+    says the step is left for the next one."""
+    pids = tmp_path / "pids"
+    hang = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.fork(); "
+            f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); print('sleeping', flush=True); "
+            f"time.sleep(600)")
+    bindir = tmp_path / "bin"
+    os.makedirs(bindir)
+    py = sys.executable
+    (bindir / "python3").write_text(f'#!/bin/sh\ncase "$*" in *"-m pytest"*) exec {py} -c "{hang}";; esac\n'
+                                    f'exec {py} "$@"\n')
+    os.chmod(bindir / "python3", 0o755)
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "60",
+           "GPU_CHECK_STEPS": "kernel-tests", "PATH": f"{bindir}:{os.environ['PATH']}"}
+    t0 = time.time()
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    took = time.time() - t0
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert took < 60 and proc.returncode == 3, (took, log[-2000:])
+    assert "=== kernel-tests: killed at its limit" in log
+    assert "kernel-tests: killed at" in summary(log)["kernel-tests"]
+    assert (tmp_path / "out" / "kernel_tests.partial.txt").read_text().count("sleeping") == 2
+    for pid in map(int, pids.read_text().split()):   # both sleepers are gone (or zombies of init)
+        status = f"/proc/{pid}/status"
+        assert not os.path.exists(status) or "State:\tZ" in open(status).read()
+
+
 def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):
     """bench/step_time.py takes train.py's precision, TF32 and compile settings; with the interpreter
     standing in for the GPU, the frozen layers run the Triton kernels inside the timed steps (no
