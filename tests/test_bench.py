@@ -302,6 +302,27 @@ def test_gpu_check_kills_a_step_that_ignores_term_in_time_for_its_deadline(tmp_p
         assert not os.path.exists(status) or "State:\tZ" in open(status).read()
 
 
+def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
+    """A bad setting, a missing interpreter, one without torch (here this one, isolated from its
+    site-packages) and, outside SMOKE, no CUDA device: exit status 2 and one line naming the fix."""
+    (tmp_path / "bare").write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    os.chmod(tmp_path / "bare", 0o755)
+    cases = [({"GPU_CHECK_DEADLINE": "8m"}, "GPU_CHECK_DEADLINE=8m is not a whole number of seconds"),
+             ({"GPU_CHECK_STEPS": "kernels,bench"}, "GPU_CHECK_STEPS names 'bench': use some of kernels,"),
+             ({"PYTHON": "no-such-python"}, "no interpreter 'no-such-python' on PATH: set PYTHON"),
+             ({"PYTHON": str(tmp_path / "bare")}, "cannot import torch and triton (ModuleNotFoundError"),
+             ({}, "sees no CUDA device: run on a GPU machine (SMOKE=1 bash bench/gpu_check.sh is the CPU")]
+    for extra, message in cases:
+        if extra == {} and torch.cuda.is_available():
+            continue
+        env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), **extra,
+               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+        proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env=env)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("gpu_check: ")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
+
+
 def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):
     """bench/step_time.py takes train.py's precision, TF32 and compile settings; with the interpreter
     standing in for the GPU, the frozen layers run the Triton kernels inside the timed steps (no
