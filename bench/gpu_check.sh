@@ -55,18 +55,20 @@ GRACE=5     # seconds between the TERM and the KILL of a step's process group
 RESERVE=3   # seconds kept back from the deadline for the summary
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
-[[ $DEADLINE =~ ^[0-9]+$ ]] || die "GPU_CHECK_DEADLINE=$DEADLINE is not a whole number of seconds (0: no limit)"
+[[ $DEADLINE =~ ^[0-9]+$ ]] || die "GPU_CHECK_DEADLINE=$DEADLINE is not a whole number of seconds (0: none)"
+[ "$DEADLINE" -eq 0 ] || [ "$DEADLINE" -ge 30 ] \
+    || die "GPU_CHECK_DEADLINE=$DEADLINE leaves no time for a step: give 30 or more"
 for s in ${STEPS//,/ }; do
     [[ ,$ALL, == *,$s,* ]] || die "GPU_CHECK_STEPS names '$s': use some of $ALL"
 done
-command -v setsid >/dev/null || die "setsid (util-linux) is missing: the deadline cannot be enforced without it"
+command -v setsid >/dev/null || die "setsid (util-linux) is missing: without it no deadline can be kept"
 command -v "$PY" >/dev/null || die "no interpreter '$PY' on PATH: set PYTHON to the python that has torch"
 mkdir -p "$OUTDIR" || die "cannot create GPU_CHECK_OUT=$OUTDIR"
 if [ -n "$KEEP" ]; then   # the files of earlier calls, where GPU_CHECK_OUT does not have them yet
     mkdir -p "$KEEP" || die "cannot create GPU_CHECK_KEEP=$KEEP"
     for f in "$KEEP"/*; do
         if [ -f "$f" ] && [ ! -e "$OUTDIR/${f##*/}" ]; then
-            cp "$f" "$OUTDIR"/ && chmod u+w "$OUTDIR/${f##*/}" || die "cannot copy $f into GPU_CHECK_OUT=$OUTDIR"
+            cp "$f" "$OUTDIR"/ && chmod u+w "$OUTDIR/${f##*/}" || die "cannot copy $f into $OUTDIR"
         fi
     done
 fi
@@ -91,8 +93,8 @@ limited() {
     rm -f "$WORK/killed"
     setsid "$@" </dev/null &
     pid=$!
-    setsid bash -c "sleep $limit; touch $WORK/killed; kill -TERM -- -$pid; sleep $GRACE; kill -KILL -- -$pid" \
-        </dev/null >/dev/null 2>&1 &
+    setsid bash -c "sleep $limit; touch $WORK/killed; kill -TERM -- -$pid; sleep $GRACE
+                    kill -KILL -- -$pid" </dev/null >/dev/null 2>&1 &
     dog=$!
     disown "$dog"   # its end, killed below, is no job for bash to report
     wait "$pid"
@@ -112,19 +114,21 @@ upto() {   # upto SECONDS: SECONDS, or less where the deadline is nearer
 }
 
 echo
-echo "gpu_check call of $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd)$([ "$SMOKE" = 1 ] && echo ' (SMOKE: CPU, tiny)'):" \
-     "deadline ${DEADLINE}s, steps $STEPS, results in $OUTDIR"
+echo "gpu_check call of $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd)" \
+     "$([ "$SMOKE" = 1 ] && echo '(SMOKE: CPU, tiny) ')deadline ${DEADLINE}s, steps $STEPS," \
+     "results in $OUTDIR"
 limited "$(upto 120)" "$PY" -c "
 import os, sys
 try:
     import numpy, torch, triton
 except Exception as e:
-    sys.exit(f'gpu_check: $PY cannot import torch and triton ({type(e).__name__}: {e}): run in the environment '
-             'that has them, or set PYTHON to its interpreter')
+    sys.exit(f'gpu_check: $PY cannot import torch and triton ({type(e).__name__}: {e}): run in the '
+             'environment that has them, or set PYTHON to its interpreter')
 import importlib.util
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device'
-print(f'python {sys.version.split()[0]} ({sys.executable}) | torch {torch.__version__} (CUDA {torch.version.cuda})'
-      f' | triton {triton.__version__} | numpy {numpy.__version__} | {gpu} | {os.cpu_count()} cores')
+print(f'python {sys.version.split()[0]} ({sys.executable}) | torch {torch.__version__} '
+      f'(CUDA {torch.version.cuda}) | triton {triton.__version__} | numpy {numpy.__version__} | {gpu} | '
+      f'{os.cpu_count()} cores')
 if not torch.cuda.is_available() and '$SMOKE' != '1':
     sys.exit(f'gpu_check: torch {torch.__version__} sees no CUDA device: run on a GPU machine '
              '(SMOKE=1 bash bench/gpu_check.sh is the CPU form)')
@@ -153,7 +157,8 @@ step() {
     fi
     left=$(left_s)
     if [ "$left" -lt "$need" ]; then
-        echo "=== $name: skipped, it needs ~${need}s and ${left}s are left before GPU_CHECK_DEADLINE=${DEADLINE}s"
+        echo "=== $name: skipped, it needs ~${need}s and ${left}s are left before the deadline" \
+             "(GPU_CHECK_DEADLINE=${DEADLINE}s)"
         SUMMARY+=("$name: skipped for the deadline (needs ~${need}s, ${left}s were left)")
         pending=1
         return 0
@@ -171,8 +176,10 @@ step() {
     took=$((SECONDS - start))
     if [ -e "$WORK/killed" ]; then
         [ -e "$file" ] && mv "$file" "$partial"
-        echo "=== $name: killed at its limit of ${limit}s (rc=$rc)$([ -e "$partial" ] && echo ", partial: $partial")"
-        SUMMARY+=("$name: killed at ${limit}s, runs again in the next call$([ -e "$partial" ] && echo "; partial: $partial")")
+        local wrote=""
+        [ -e "$partial" ] && wrote=" (partial: $partial)"
+        echo "=== $name: killed at its limit of ${limit}s (rc=$rc)$wrote"
+        SUMMARY+=("$name: killed at ${limit}s, runs again in the next call$wrote")
         pending=1
     else
         echo "=== $name: rc=$rc in ${took}s"
@@ -209,7 +216,8 @@ else
     MEM1B=(--set batch_size=2 --only vanilla,step3 --modes plain,ckpt+chunk)
     # kernels: ~38 variants, then ~12 s of timing per shape (6); train: two compiles, 586 short steps
     # and a 200-token sample; step-time: two compiles; memory: eager, nothing to compile but kernels
-    T_KERNELS=(180 300) T_TESTS=(300 420) T_TRAIN=(150 300) T_STEP=(180 300) T_MEM350=(60 150) T_MEM1B=(60 150)
+    T_KERNELS=(180 300) T_TESTS=(300 420) T_TRAIN=(150 300) T_STEP=(180 300)
+    T_MEM350=(60 150) T_MEM1B=(60 150)
 fi
 # the kernel tests compile ~120 variants: spread over pytest-xdist's workers where it is installed
 if [ "$(cat "$WORK/workers")" -gt 0 ] && [ "$SMOKE" != 1 ]; then
@@ -240,9 +248,11 @@ write_dataset('$WORK/32k', vocab=32000, n_train=40000, n_val=4096)" || failed=1
     fi
 done
 step memory-350m memory_350m.txt "${T_MEM350[@]}" tee \
-    "$PY" bench/peak_memory.py --config config/step_350m.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" "${MEM350[@]}"
+    "$PY" bench/peak_memory.py --config config/step_350m.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" \
+    "${MEM350[@]}"
 step memory-1b memory_1b.txt "${T_MEM1B[@]}" tee \
-    "$PY" bench/peak_memory.py --config config/step_1b.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" "${MEM1B[@]}"
+    "$PY" bench/peak_memory.py --config config/step_1b.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" \
+    "${MEM1B[@]}"
 
 echo
 echo "gpu_check summary, this call took ${SECONDS}s:"
