@@ -114,7 +114,7 @@ upto() {   # upto SECONDS: SECONDS, or less where the deadline is nearer
 }
 
 echo
-echo "gpu_check call of $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd)" \
+echo "gpu_check call of $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd):" \
      "$([ "$SMOKE" = 1 ] && echo '(SMOKE: CPU, tiny) ')deadline ${DEADLINE}s, steps $STEPS," \
      "results in $OUTDIR"
 limited "$(upto 120)" "$PY" -c "
