@@ -7,14 +7,17 @@ import argparse
 
 import torch
 
-from data.load import get_tokenizer
+from data.load import tokenizer_of
 from model import GPT
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import UserError, run_cli
 
 
-def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1):
-    enc = get_tokenizer(meta["tokenizer"], meta.get("vocab_ranks", 0))
+def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1,
+                data_dir=None):
+    """`meta`: the data's (a checkpoint keeps it); `data_dir`: its folder, whose tiktoken.json is the
+    tokenizer where it has one (data.load.tokenizer_of)."""
+    enc = tokenizer_of(meta, data_dir)
     device = next(model.parameters()).device
     ids = enc.encode_ordinary(prompt) or [meta["eot_token"]]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
@@ -62,7 +65,7 @@ def main(argv):
         raise UserError(f"{a.ckpt} records no tokenizer (meta); it was not written by train.py")
     model = GPT.from_checkpoint(ckpt, a.ckpt).to(a.device)
     print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed,
-                      a.num_samples))
+                      a.num_samples, ckpt.get("config", {}).get("data_dir")))   # the run's data folder
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import frozen_linear
 import grow
-from data.load import load_data, model_vocab
+from data.load import load_data, model_vocab, tokenizer_of
 from model import GPT
 from sample import sample_text
 from stepgpt import checkpoint, kernels, monitor, optim, runtime
@@ -184,6 +184,8 @@ def _setup(cfg, ddp, rank, local, world, lock):
         if world > 1:
             dist.barrier()
     data, meta = load_data(cfg.data_dir, cfg.block_size)
+    if cfg.sample_tokens:
+        tokenizer_of(meta, cfg.data_dir)   # the final sample's: a missing one fails now, not at the end
     vocab_size = model_vocab(cfg.vocab_size, meta, cfg.data_dir)
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     stage_layers, stage_iters = grow.stage_plan(cfg, vocab_size, tokens_per_iter)
@@ -397,7 +399,7 @@ def train(cfg):
                       f"{(time.time() - meter.t_start) / 60:.1f} min, best val {best_val:.4f}{peak}")
         if run.master and cfg.sample_tokens:
             text = sample_text(raw, run.meta, prompt="\n", max_new_tokens=cfg.sample_tokens, temperature=0.8,
-                               top_k=200, seed=cfg.seed)
+                               top_k=200, seed=cfg.seed, data_dir=cfg.data_dir)
             path = os.path.join(cfg.out_dir, "sample.txt")
             with open(path, "w") as f:
                 f.write(text)

@@ -2,7 +2,7 @@
 
     python bench/kernels.py                               # LLaMA-350M and 1B layer shapes (GPU)
     python bench/kernels.py --quick                       # M=8192, r=16 only: < 2 min on an H200
-    python bench/kernels.py --quick --out bench/kernels_gpu.md
+    python bench/kernels.py --quick --out bench/kernels_gpu.md   # the table, rewritten after each shape
 
 Providers, all with bf16 activations, timed forward, backward and forward+backward:
   step:<path>   our Triton op on the named path (* marks the one the dispatch picks: it times
@@ -199,6 +199,22 @@ def target_lines(rows):
     return lines
 
 
+LEGEND = ("TFLOP/s counts the dense GEMMs only (2·M·N·K each: one forward; one backward, two for "
+          "bf16 trained); medians of triton.testing.do_bench, p20-p80 for f+b. "
+          "* = the path the dispatch picks for that shape (it may be the reference); tuned configs: "
+          "the autotuner's F2 and B3 picks (tiles, int8 conversion, warps, stages).")
+
+
+def write_markdown(path, header, rows, done, total):
+    """The table so far, replacing the file whole: a run killed at a time limit leaves the shapes it
+    finished."""
+    partial = f"**Partial: {done} of {total} configurations measured.**\n\n" if done < total else ""
+    with open(path + ".tmp", "w") as f:
+        f.write(f"# bench/kernels.py\n\n{header}\n\n{partial}{LEGEND}\n\n{markdown_table(rows)}\n\n"
+                "## Targets\n\n" + "\n".join(f"- {t}" for t in target_lines(rows)) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def run_gpu(args):
     import triton
     device = torch.cuda.get_device_name()
@@ -206,32 +222,29 @@ def run_gpu(args):
               f"{'quick' if args.quick else 'full'} run | bf16 activations, LoRA scale {LORA_SCALE}")
     print(header)
     tokens, ranks = ((8192,), (16,)) if args.quick else (TOKENS, RANKS)
+    todo = [(model, layer, n, k, m, r) for model, (d, ffn) in MODELS.items()
+            for layer, n, k in layer_shapes(d, ffn) for m in tokens for r in ranks]
     rows = []
     print(text_header())
-    for model, (d, ffn) in MODELS.items():
-        for layer, n, k in layer_shapes(d, ffn):
-            for m in tokens:
-                for r in ranks:
-                    new = bench_config(model, layer, n, k, m, r, list(frozen_lora.PATHS),
-                                       reverse=len(rows) % 2 == 1)
-                    rows += new
-                    print(text_rows(new), flush=True)
-    targets = target_lines(rows)
-    print("\n".join(["", "targets:"] + targets))
-    legend = ("TFLOP/s counts the dense GEMMs only (2·M·N·K each: one forward; one backward, two for "
-              "bf16 trained); medians of triton.testing.do_bench, p20-p80 for f+b. "
-              "* = the path the dispatch picks for that shape (it may be the reference); tuned configs: "
-              "the autotuner's F2 and B3 picks (tiles, int8 conversion, warps, stages).")
+    for i, (model, layer, n, k, m, r) in enumerate(todo):
+        new = bench_config(model, layer, n, k, m, r, list(frozen_lora.PATHS), reverse=i % 2 == 1)
+        rows += new
+        print(text_rows(new), flush=True)
+        if args.out:
+            write_markdown(args.out, header, rows, i + 1, len(todo))
+    print("\n".join(["", "targets:"] + target_lines(rows)))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# bench/kernels.py\n\n{header}\n\n{legend}\n\n{markdown_table(rows)}\n\n"
-                    "## Targets\n\n" + "\n".join(f"- {t}" for t in targets) + "\n")
         print(f"wrote {args.out}")
 
 
-def run_cpu_check():
-    """Every path against the reference on one ragged shape, in the Triton interpreter."""
-    print("no CUDA device: correctness check in the Triton interpreter only; timings need a GPU")
+def run_cpu_check(out_file=None):
+    """Every path against the reference on one ragged shape, in the Triton interpreter; the lines
+    also to `out_file`."""
+    lines = ["no CUDA device: correctness check in the Triton interpreter only; timings need a GPU"]
+    print(lines[0])
+    if frozen_lora.INTERPRETER_PROBLEM:
+        print(f"bench/kernels.py: {frozen_lora.INTERPRETER_PROBLEM}")
+        return 1
     torch.manual_seed(0)
     m, n, k, r = 70, 45, 81, 16
     q, scale = quantize_int8(torch.randn(n, k))
@@ -251,8 +264,12 @@ def run_cpu_check():
         errs = [((u - v).abs().max() / v.abs().max()).item() for u, v in zip(out, ref)]
         good = all(e < 1e-4 for e in errs)
         ok &= good
-        print(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  dB {errs[3]:.1e}"
-              f"  {'ok' if good else 'MISMATCH'}")
+        lines.append(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  "
+                     f"dB {errs[3]:.1e}  {'ok' if good else 'MISMATCH'}")
+        print(lines[-1])
+    if out_file:
+        with open(out_file, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 0 if ok else 1
 
 
@@ -263,7 +280,7 @@ def main():
     parser.add_argument("--out", help="also write the results as markdown to this file")
     args = parser.parse_args()
     if not HAS_CUDA:
-        return run_cpu_check()
+        return run_cpu_check(args.out)
     run_gpu(args)
     return 0
 

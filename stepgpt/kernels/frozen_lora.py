@@ -16,6 +16,7 @@ picks.
 """
 import os
 
+import numpy as np
 import torch
 
 try:
@@ -26,11 +27,25 @@ except ImportError:  # no triton wheel (macOS, Windows): the module stays import
     from types import SimpleNamespace
     HAS_TRITON = False
     triton = SimpleNamespace(jit=lambda fn: fn, autotune=lambda *args, **kw: (lambda fn: fn),
-                             Config=lambda *args, **kw: None)
+                             Config=lambda *args, **kw: None, __version__="0.0")
     tl = SimpleNamespace(constexpr=None)
 
 # Triton reads TRITON_INTERPRET when the kernels below are decorated: it must be set before import
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _version(text):   # "3.6.0" -> (3, 6)
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
+# Supported: triton 3.6 and later (torch 2.11's CUDA wheels bring 3.6). Two things differ in 3.6:
+# B3's 128x128x64 tile at 4 warps spills (see _DX_ROWS), and its interpreter, which runs the kernels
+# on CPU tensors, fails under numpy >= 2.4 ("only 0-dimensional arrays can be converted to Python
+# scalars"; 3.7 and later run under it). Where the interpreter cannot run here, this says why.
+TRITON_36 = HAS_TRITON and _version(triton.__version__) < (3, 7)
+INTERPRETER_PROBLEM = (f"triton {triton.__version__}'s interpreter needs numpy < 2.4 (numpy {np.__version__} "
+                       "is installed): pip install 'numpy<2.4'"
+                       if TRITON_36 and _version(np.__version__) >= (2, 4) else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,8 +106,11 @@ _MAIN_ROWS = [
 # CONVERT: how the int8 tile becomes the MMA's operand, see _fwd_kernel; both are tuned
 _FWD_CONFIGS = [c for conv in ("direct", "fp32")
                 for c in _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), _MAIN_ROWS, CONVERT=conv)]
+# triton 3.6 spills 12 B in B3 at 128x128x64 with 4 warps (255 registers; 3.7 to 3.9 fit it in 254-255
+# without a spill, bench/compile_kernels.py): the main GEMMs are held to no spills, so 3.6 does not tune it
+_DX_ROWS = [row for row in _MAIN_ROWS if not (TRITON_36 and row == (128, 128, 64, 8, 4, 4))]
 _DX_CONFIGS = [c for conv in ("direct", "fp32")
-               for c in _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _MAIN_ROWS, CONVERT=conv)]
+               for c in _configs(("BLOCK_M", "BLOCK_K", "BLOCK_N", "GROUP_M"), _DX_ROWS, CONVERT=conv)]
 # memory-bound side kernels: large row blocks keep r-wide partial products in registers
 _DOWN_CONFIGS = _configs(("BLOCK_M", "BLOCK_K"), [
     (64, 64, 3, 4), (128, 128, 4, 8), (64, 128, 4, 4), (128, 64, 4, 4), (32, 128, 4, 4)])
