@@ -355,20 +355,20 @@ def test_tokenizer_on_shakespeare(tokenizers_pair):
                 == enc.encode_ordinary(doc["text"])), doc["name"]
 
 
-# -- the README's commands -----------------------------------------------------------------------
+# -- docs/huggingface.md's commands -------------------------------------------------------------
 
 def readme_section():
-    """The README's Hugging Face section."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("### Hugging Face: export")
+    """docs/huggingface.md's export section."""
+    text = open(os.path.join(ROOT, "docs", "huggingface.md")).read()
+    start = text.index("## Export, load, evaluate, import")
     end = text.find("\n#", start + 1)
     return text[start:end if end > 0 else None]
 
 
 @pytest.mark.slow
 def test_readme_commands(runs, tmp_path):
-    """The export commands, the Python snippet and the train command as the README gives them, in a
-    folder holding a tiny run under the README's name; the train command scaled down in size."""
+    """The export commands, the Python snippet and the train command as docs/huggingface.md gives
+    them, in a folder holding a tiny run under the page's name; the train command scaled down in size."""
     section = readme_section()
     os.symlink(runs / "step", tmp_path / "out-step-small")
     commands = [shlex.split(line.split("#")[0]) for line in section.splitlines()

@@ -108,7 +108,7 @@ def test_adamw8bit_accounting_counts_each_tensor_by_its_size():
 
 @pytest.mark.slow
 def test_readme_plan_commands_run_and_its_1b_table_is_the_commands_output():
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         text = f.read()
     commands = re.findall(r"^(python plan\.py [^#\n]*?)\s*(?:#.*)?$", text, re.M)
     assert len(commands) >= 3
@@ -361,12 +361,12 @@ def test_zero1_divides_only_the_optimizer_share_over_the_ranks():
 
 
 def test_readme_placement_picture():
-    """The README's picture of the placements is what grow.insertion_gaps does."""
+    """docs/planning.md's picture of the placements is what grow.insertion_gaps does."""
     def order(n_old, n_new, where):
         gaps = grow.insertion_gaps(n_old, n_new, where, seed=0)
         return " ".join(f"{i}" + " n" * gaps.count(i) for i in range(n_old))
 
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         lines = {line.split()[0]: line for line in f if re.match(rf"({'|'.join(grow.PLACEMENTS)}) +0 ", line)}
     assert sorted(lines) == sorted(grow.PLACEMENTS)
     for where, line in lines.items():
