@@ -313,7 +313,7 @@ def train_step(run, model, raw, opt, it):
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
     if not torch.isfinite(loss) or not torch.isfinite(norm):
         raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm "
-                        f"{norm.item()}); stopped. {monitor.divergence_advice(cfg)}")
+                        f"{norm.item()}); stopped. {monitor.divergence_advice(run)}")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm, lr

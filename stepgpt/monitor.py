@@ -6,12 +6,13 @@ import os
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
 import grow
-from model import merge_quality
+from model import GPT, merge_quality
 from stepgpt import kernels, memory
-from stepgpt.checkpoint import checkpoint_files
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
 
 
@@ -179,32 +180,83 @@ class WandB:
         self.run.finish(exit_code=1 if failed else 0)
 
 
-def divergence_advice(cfg):
+# a trained LLM's weights, norm gains included, stay within about +-10^2; far beyond it they diverged
+SANE_WEIGHT = 1e4
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict) or isinstance(obj, (list, tuple)):
+        for x in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(x)
+
+
+def why_not_resumable(path, data):
+    """None if training can go on from the checkpoint at `path`, else why not (a phrase): its weights
+    and optimizer state must be finite, its weights within +-SANE_WEIGHT, and a forward and backward
+    pass of its model on one sequence of the run's training data `data` must give a finite loss and
+    gradient. On the CPU, off the run's device: the run's model still holds the device's memory."""
+    try:
+        ckpt = load_checkpoint(path)
+        model = GPT.from_checkpoint(ckpt, path)
+    except UserError as e:
+        return str(e)
+    weights = [t for t in _tensors(ckpt["model"]) if t.is_floating_point()]
+    if not all(torch.isfinite(t).all() for t in weights + [t for t in _tensors(ckpt["optimizer"])
+                                                            if t.is_floating_point()]):
+        return "non-finite weights or optimizer state"
+    top = max(t.abs().max().item() for t in weights if t.numel())
+    if top > SANE_WEIGHT:
+        return f"weights up to {top:.3g}"
+    T = model.config.block_size
+    xy = torch.from_numpy(data[:T + 1].astype(np.int64))[None]
+    loss = model(xy[:, :-1], xy[:, 1:])[1]
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    if not (torch.isfinite(loss) and torch.isfinite(norm)):
+        return f"a non-finite gradient on the data: loss {loss.item():.4g}, grad norm {norm.item():.4g}"
+    return None
+
+
+def divergence_advice(run):
     """What to do when the loss went non-finite, from the checkpoints in out_dir and the
     val losses metrics.jsonl holds for their steps: every checkpoint was written before that step,
     but its weights may already be diverging. A checkpoint whose val loss is above the untrained
-    model's (step 0's) is taken as diverged; of the others, the newest with the lower val loss is the
-    one to resume from, at a tenth of the learning rate (at most the default 1e-3). The newest two
-    only: those --init_from=resume and resume_previous reach."""
+    model's (step 0's) is taken as diverged, and so is one training cannot go on from
+    (why_not_resumable, checked for the one named only); of the others, the newest with the lower
+    val loss is the one to resume from, at a tenth of the learning rate (at most the default 1e-3).
+    The newest two only: those --init_from=resume and resume_previous reach. Rank 0 checks and
+    advises; the other ranks point to its line."""
+    cfg = run.cfg
+    if not run.master:
+        return "Rank 0's line says what to do."
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     records = read_metrics(path)[0] if os.path.isfile(path) else []
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     files = [(int(os.path.basename(p)[5:-3]), p) for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
     files = files[:2]   # --init_from=resume and resume_previous reach these two
-    lr = f"--learning_rate={min(cfg.learning_rate / 10, 1e-3):g}"
+    new_lr = min(cfg.learning_rate / 10, 1e-3)
+    lr = f"--learning_rate={new_lr:g}" + (f" --min_lr={new_lr / 10:g}" if new_lr < cfg.min_lr else "")
     if not files:
         return f"No checkpoint was written before it: start again with a lower learning rate, e.g. {lr}"
     untrained = val.get(0, float("inf"))
     seen = ", ".join(f"{p} (step {s}, val loss {val.get(s, float('nan')):.4g})" for s, p in files)
-    good = [(val.get(s, float("inf")), -s, p) for s, p in files if val.get(s, float("inf")) < untrained]
+    good = sorted((val.get(s, float("inf")), -s, p) for s, p in files if val.get(s, float("inf")) < untrained)
     if not good:
         return (f"The checkpoints, {seen}, score worse than the untrained model (val loss {untrained:.4g}): "
                 f"they hold diverged weights; start again in another --out_dir with a lower learning rate, "
                 f"e.g. {lr}")
-    best = min(good)[2]
-    how = "--init_from=resume" if best == files[0][1] else "--init_from=resume_previous"
-    return (f"The newest checkpoints: {seen}. Continue from {best}, the lower val loss, with a lower "
-            f"learning rate: {how} {lr}")
+    broken = []
+    for _, _, best in good:
+        why = why_not_resumable(best, run.data["train"])
+        if why is None:
+            how = "--init_from=resume" if best == files[0][1] else "--init_from=resume_previous"
+            return (f"The newest checkpoints: {seen}. Continue from {best}, the lower val loss, with a lower "
+                    f"learning rate: {how} {lr}")
+        broken.append(f"{best} ({why})")
+    return (f"The newest checkpoints: {seen}; training cannot go on from {' or '.join(broken)}: start again "
+            f"in another --out_dir with a lower learning rate, e.g. {lr}")
 
 
 def fmt_bytes(n):

@@ -15,6 +15,7 @@ import pytest
 
 import train
 from data import prepare as prep
+from stepgpt import monitor
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
@@ -122,6 +123,54 @@ def test_a_divergence_with_no_checkpoint_says_to_start_again(tmp_path):
         run(tmp_path, "--learning_rate=1e30", "--eval_interval=100")
     assert "No checkpoint was written before it: start again with a lower learning rate, e.g. " \
            "--learning_rate=0.001" in one_line(e)
+
+
+def test_following_the_divergence_advice_never_loops(tmp_path):
+    """A learning rate of 1e30 from the start (a typo for 1e-3), a checkpoint at every step: the
+    checkpoint written after the first step already holds weights of ~1e29 (its loss can look sane).
+    Each advice is followed as given, continuing (--init_from=...) or starting again in another
+    out_dir; it must not name a checkpoint that diverges again, so the second attempt trains to the end."""
+    data, out, extra, advice = write_dataset(tmp_path / "data"), "out", ["--learning_rate=1e30"], []
+    for attempt in range(3):
+        try:
+            run(tmp_path, "--eval_interval=1", "--seed=1", *extra, out=out, data=data)
+            break
+        except UserError as e:
+            message = str(e)
+        assert message.startswith("non-finite loss or gradient at step") and "\n" not in message
+        assert message not in advice, advice
+        advice.append(message)
+        if "Continue from" in message:   # the flags after "learning rate: " continue the run
+            extra = shlex.split(message.split("learning rate: ")[1])
+        else:                              # "start again in another --out_dir ..., e.g. FLAGS"
+            extra, out = shlex.split(message.split("e.g. ")[1]), f"out{attempt + 1}"
+    assert len(advice) == 1, advice
+    final = load_checkpoint(str(tmp_path / out))
+    assert final["iter_num"] == 12 and np.isfinite(final["best_val_loss"])
+
+
+def test_a_diverged_checkpoint_whose_val_loss_looks_sane_is_not_named(tmp_path, monkeypatch):
+    """The issue's case, made certain: the checkpoint after a 1e30 step scores below the untrained
+    model (its step-0 val loss set higher here), yet holds weights of ~1e29 and gives a NaN gradient.
+    The advice checks it before naming it, and says to start again; each check alone rejects it."""
+    data = write_dataset(tmp_path / "data")
+    with pytest.raises(UserError):
+        run(tmp_path, "--eval_interval=1", "--learning_rate=1e30", data=data)
+    out = str(tmp_path / "out")
+    lines = [{**r, "val_loss": 99.0} if r.get("step") == 0 and "val_loss" in r else r for r in records(out)]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in lines)
+    with pytest.raises(UserError) as e:   # the advice of the main line: continue from it
+        run(tmp_path, "--eval_interval=1", "--init_from=resume", "--learning_rate=0.001", data=data)
+    message = one_line(e)
+    ckpt = os.path.join(out, "ckpt-00000001.pt")
+    assert f"training cannot go on from {ckpt} (weights up to " in message and "Continue from" not in message
+    assert message.endswith("start again in another --out_dir with a lower learning rate, e.g. "
+                            "--learning_rate=0.0001")
+    monkeypatch.setattr(monitor, "SANE_WEIGHT", float("inf"))   # the gradient check alone
+    train_data = np.memmap(os.path.join(data, "train.bin"), dtype=np.uint16, mode="r")
+    assert monitor.why_not_resumable(ckpt, train_data).startswith(
+        "a non-finite gradient on the data: loss ")
 
 
 # -- odd or unreadable files where ours should be --------------------------------------------------
