@@ -17,6 +17,7 @@ import train
 from data import prepare as prep
 from stepgpt import monitor
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
@@ -171,6 +172,17 @@ def test_a_diverged_checkpoint_whose_val_loss_looks_sane_is_not_named(tmp_path, 
     train_data = np.memmap(os.path.join(data, "train.bin"), dtype=np.uint16, mode="r")
     assert monitor.why_not_resumable(ckpt, train_data).startswith(
         "a non-finite gradient on the data: loss ")
+
+
+def test_the_advised_learning_rate_keeps_min_lr_below_it(tmp_path):
+    """A tenth of learning_rate=min_lr=1e-4 is under min_lr, which the config refuses: the advice lowers
+    min_lr with it, so that following it does not end in a config error."""
+    from types import SimpleNamespace
+    cfg = load_config(TINY + [f"--out_dir={tmp_path}", "--learning_rate=1e-4", "--min_lr=1e-4"])
+    advice = monitor.divergence_advice(SimpleNamespace(cfg=cfg, master=True, data={}))
+    flags = advice.split("e.g. ")[1]
+    assert flags == "--learning_rate=1e-05 --min_lr=1e-06"
+    load_config(TINY + shlex.split(flags))
 
 
 # -- odd or unreadable files where ours should be --------------------------------------------------
