@@ -134,7 +134,8 @@ WANDB_TIMEOUT = 30
 
 
 class WandB:
-    """A Weights & Biases run in out_dir/wandb. It never stops or holds up training: without an API
+    """A Weights & Biases run in out_dir/wandb, or in $WANDB_DIR/wandb where that is set (W&B's own
+    variable, which clusters point at a scratch disk). It never stops or holds up training: without an API
     key it is offline from the start (no prompt, no wait), and a server that does not answer within
     WANDB_TIMEOUT seconds makes it offline too; either way one line says so, and `wandb sync` uploads
     the run folder later. W&B keeps the steps it has been sent (a run's steps only grow): a run that
@@ -150,8 +151,8 @@ class WandB:
         self.after = after if run_id is not None and after is not None else -1
         name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
         kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow" if run_id else None,
-                  dir=cfg.out_dir, settings=wandb.Settings(init_timeout=WANDB_TIMEOUT,
-                                                           finish_timeout=WANDB_TIMEOUT))
+                  dir=os.environ.get("WANDB_DIR") or cfg.out_dir,
+                  settings=wandb.Settings(init_timeout=WANDB_TIMEOUT, finish_timeout=WANDB_TIMEOUT))
         why = f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None
         if why is None and not wandb.login(prompt=False, verify=False):
             why = "no W&B API key: `wandb login` or WANDB_API_KEY"
