@@ -349,8 +349,9 @@ def train(cfg):
 
         meter = monitor.Meter(run)
         resumed_at = run.resumed_at
-        with runtime.StopRequest() as stop:
+        with runtime.StopRequest() as stop, monitor.OutOfMemory(run) as oom:
             while True:
+                oom.step = it   # out of memory in the step, its eval or stage change: one line naming it
                 stage = run.stage_of(it)
                 # the stage boundary: every layer of the earlier stages must be frozen
                 if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:

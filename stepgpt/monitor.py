@@ -3,6 +3,7 @@ loss, lr, tokens/s, MFU and ETA (Meter), and metrics.jsonl, one JSON record per 
 (Logger), which the trackers a config turns on (TensorBoard, W&B) get too. Rank 0 only."""
 import json
 import os
+import re
 import time
 from dataclasses import asdict
 
@@ -304,14 +305,86 @@ def describe(run):
             run.log.print(warning)
 
 
+# the keys that lower a step's peak memory, as the lines that name them say it
+LOWER_PEAK = ("lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or set "
+              "activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
+              "CONFIG shows what each saves")
+
+
 def memory_warning(planned, free, device):
     """A line when the planned step peak is over the device's free memory, naming what to change."""
     if planned <= free:
         return None
     return (f"warning: the planned step peak, {fmt_bytes(planned)}, is over the {fmt_bytes(free)} free on "
-            f"{device}: lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or "
-            f"set activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
-            f"CONFIG shows what each saves")
+            f"{device}: {LOWER_PEAK}")
+
+
+class OutOfMemory:
+    """Out of memory in the loop it wraps (a training step, an eval, a stage change: CUDA's
+    torch.OutOfMemoryError, the CPU allocator's RuntimeError, a MemoryError) ends the run in one
+    line instead of a traceback (out_of_memory_line). The loop sets `step` as it goes."""
+
+    def __init__(self, run):
+        self.run, self.step = run, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        cause = error
+        while cause is not None and not is_out_of_memory(cause):   # torch.compile wraps what it ran
+            cause = cause.__cause__
+        if cause is not None:
+            raise UserError(out_of_memory_line(self.run, self.step, cause)) from None
+
+
+def is_out_of_memory(error):
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and re.search(r"CPUAllocator: (can't allocate|not enough) memory|"
+                                                      r"CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED",
+                                                      str(error)) is not None)
+
+
+def device_memory(device):
+    """What `device` has, in words: a GPU's total and free memory; the CPU's available RAM, and the
+    address-space limit (ulimit -v, RLIMIT_AS) where one is set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return f"the {fmt_bytes(total)} of {device} ({fmt_bytes(free)} free now)"
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    have = f"the {fmt_bytes(available)} of RAM available"
+    try:
+        import resource   # Unix only
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            have += f" and the address-space limit of {fmt_bytes(limit)} (ulimit -v)"
+    except ImportError:
+        pass
+    return have
+
+
+def out_of_memory_line(run, step, error):
+    """The step and stage, what the allocation that failed asked for (parsed from the message where
+    it says), the stage's planned step peak against what the device has, the keys that lower it, and
+    the newest checkpoint to resume from."""
+    cfg = run.cfg
+    stage = run.stage_of(step)
+    final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
+    planned = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)[stage]
+    message = str(error)
+    asked = re.search(r"allocate (\d+) bytes", message)   # the CPU allocator's; CUDA's and numpy's say units
+    asked = fmt_bytes(int(asked[1])) if asked else (re.search(r"allocate ([\d.]+ [KMGTP]?i?B)", message)
+                                                     or [None, "an amount the error does not give"])[1]
+    files = [p for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
+    then = (f"then continue from {files[0]} with --init_from=resume" if files else
+            "then start again (no checkpoint was written yet)")
+    return (f"out of memory at step {step} (stage {stage + 1}/{len(run.depth)}) on {run.device}: it tried to "
+            f"allocate {asked}; the planned step peak of stage {stage + 1} is {fmt_bytes(planned)}, against "
+            f"{device_memory(run.device)}: {LOWER_PEAK}; {then}")
 
 
 def merge_record(sums):

@@ -12,6 +12,7 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 import train
 from data import prepare as prep
@@ -183,6 +184,66 @@ def test_the_advised_learning_rate_keeps_min_lr_below_it(tmp_path):
     flags = advice.split("e.g. ")[1]
     assert flags == "--learning_rate=1e-05 --min_lr=1e-06"
     load_config(TINY + shlex.split(flags))
+
+
+# -- out of memory -----------------------------------------------------------------------------------
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of "
+            "which 1.06 GiB is free. Of the allocated memory 76.10 GiB is allocated by PyTorch")
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_out_of_memory_at_a_stage_change_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, monkeypatch,
+                                                                                        wrapped):
+    """torch.OutOfMemoryError in the growth at step 4 (raised as such, or wrapped as torch.compile wraps
+    what it runs): one line with the step and stage, what was asked for, the stage's planned peak, the
+    keys that lower it and the checkpoint to continue from. Any other error is left as it is."""
+    def grows_out_of_memory(run, raw, opt, stage, it):
+        if not wrapped:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        try:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("backend compiler failed") from e
+
+    def a_bug(*args):
+        raise RuntimeError("a bug")
+
+    data = write_dataset(tmp_path / "data")
+    monkeypatch.setattr(train, "enter_stage", grows_out_of_memory)
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--max_iters=8", "--eval_interval=2", data=data)
+    message = one_line(e)
+    ckpt = os.path.join(tmp_path, "out", "ckpt-00000002.pt")
+    assert message.startswith("out of memory at step 4 (stage 2/2) on cpu: it tried to allocate 2.00 GiB; "
+                              "the planned step peak of stage 2 is "), message
+    assert "of RAM available" in message
+    assert message.endswith(f"{monitor.LOWER_PEAK}; then continue from {ckpt} with --init_from=resume")
+    monkeypatch.setattr(train, "enter_stage", a_bug)
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        run(tmp_path, "--max_iters=8", "--eval_interval=2", "--init_from=resume", data=data)
+
+
+def test_the_out_of_memory_line_on_a_gpu_names_its_total_and_free_memory(tmp_path, monkeypatch):
+    """The CUDA branch, with a stubbed torch.OutOfMemoryError and device: the planned peak is the one
+    train.py prints for the stage (bf16 activations), against the GPU's total and free memory."""
+    from stepgpt import memory
+    import grow
+    data = write_dataset(tmp_path / "data")
+    cfg = load_config(TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**20, 80 * 2**30))
+    with train.setup(cfg) as r:
+        r.device, r.dtype = torch.device("cuda:0"), "bfloat16"
+        final = grow.model_config(cfg, 2, r.vocab_size)
+        planned = monitor.fmt_bytes(memory.configured_peaks(cfg, final, [1, 1], "bfloat16")[1])
+        line = monitor.out_of_memory_line(r, 7, torch.OutOfMemoryError(CUDA_OOM))
+        cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 409600000 bytes. Error code 12")
+        assert "it tried to allocate 390.6MiB;" in monitor.out_of_memory_line(r, 7, cpu)
+    assert line == (f"out of memory at step 7 (stage 2/2) on cuda:0: it tried to allocate 2.00 GiB; the "
+                    f"planned step peak of stage 2 is {planned}, against the 80.00GiB of cuda:0 (3.0MiB free "
+                    f"now): {monitor.LOWER_PEAK}; then start again (no checkpoint was written yet)")
+    assert monitor.is_out_of_memory(cpu) and not monitor.is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 # -- odd or unreadable files where ours should be --------------------------------------------------
