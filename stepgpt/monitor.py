@@ -189,7 +189,7 @@ SANE_WEIGHT = 1e4
 def _tensors(obj):
     if torch.is_tensor(obj):
         yield obj
-    elif isinstance(obj, dict) or isinstance(obj, (list, tuple)):
+    elif isinstance(obj, (dict, list, tuple)):
         for x in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors(x)
 
@@ -208,7 +208,7 @@ def why_not_resumable(path, data):
     if not all(torch.isfinite(t).all() for t in weights + [t for t in _tensors(ckpt["optimizer"])
                                                             if t.is_floating_point()]):
         return "non-finite weights or optimizer state"
-    top = max(t.abs().max().item() for t in weights if t.numel())
+    top = max((t.abs().max().item() for t in weights if t.numel()), default=0.0)
     if top > SANE_WEIGHT:
         return f"weights up to {top:.3g}"
     T = model.config.block_size
@@ -375,10 +375,9 @@ def out_of_memory_line(run, step, error):
     stage = run.stage_of(step)
     final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
     planned = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)[stage]
-    message = str(error)
-    asked = re.search(r"allocate (\d+) bytes", message)   # the CPU allocator's; CUDA's and numpy's say units
-    asked = fmt_bytes(int(asked[1])) if asked else (re.search(r"allocate ([\d.]+ [KMGTP]?i?B)", message)
-                                                     or [None, "an amount the error does not give"])[1]
+    # the CPU allocator says "tried to allocate N bytes", CUDA and numpy "allocate 2.00 GiB"
+    size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)", str(error))
+    asked = fmt_bytes(int(size[1])) if size and size[1] else size[2] if size else "an amount it does not say"
     files = [p for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
     then = (f"then continue from {files[0]} with --init_from=resume" if files else
             "then start again (no checkpoint was written yet)")
