@@ -313,7 +313,7 @@ def train_step(run, model, raw, opt, it):
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
     if not torch.isfinite(loss) or not torch.isfinite(norm):
         raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm "
-                        f"{norm.item()}); stopped. {monitor.divergence_advice(cfg)}")
+                        f"{norm.item()}); stopped. {monitor.divergence_advice(run)}")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm, lr
@@ -349,8 +349,9 @@ def train(cfg):
 
         meter = monitor.Meter(run)
         resumed_at = run.resumed_at
-        with runtime.StopRequest() as stop:
+        with runtime.StopRequest() as stop, monitor.OutOfMemory(run) as oom:
             while True:
+                oom.step = it   # out of memory in the step, its eval or stage change: one line naming it
                 stage = run.stage_of(it)
                 # the stage boundary: every layer of the earlier stages must be frozen
                 if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:
