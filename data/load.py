@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 import tiktoken
-import torch
 
 from stepgpt.errors import UserError
 
@@ -282,6 +281,7 @@ def sample_batch(data, split, batch_size, block_size, seed, index):
     or, with seed None, batch `index` of consecutive windows from the start (a fixed evaluation set).
     Rows (2-D, one document each): batch `index` of the rows in a fixed shuffle, each document once
     per epoch, as a shuffled stream is read; a padding target is -1, which the loss ignores."""
+    import torch   # here only: data/prepare.py imports this module and needs no torch (seconds to load)
     arr = data[split]
     if arr.ndim == 2:
         n = len(arr)
