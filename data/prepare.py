@@ -164,7 +164,7 @@ def parquet_texts(file, skip):
             yield from itertools.repeat(None, rows)
             continue
         for batch in shard.iter_batches(batch_size=1000, row_groups=[g], columns=["text"]):
-            for text in batch.column(0).to_pylist():
+            for text in batch.column("text").to_pylist():
                 yield None if skip else text
                 skip = max(0, skip - 1)
 
