@@ -2,6 +2,7 @@
 loss, lr, tokens/s, MFU and ETA (Meter), and metrics.jsonl, one JSON record per log and eval step
 (Logger), which the trackers a config turns on (TensorBoard, W&B) get too. Rank 0 only."""
 import json
+import math
 import os
 import re
 import time
@@ -261,6 +262,11 @@ def divergence_advice(run):
             f"in another --out_dir with a lower learning rate, e.g. {lr}")
 
 
+def perplexity(loss):
+    """exp(mean loss), the yardstick's number; inf where it overflows (a diverged model)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def fmt_bytes(n):
     return f"{n / 2**20:.1f}MiB" if n < 2**30 else f"{n / 2**30:.2f}GiB"
 
@@ -283,7 +289,7 @@ def describe(run):
              ("kernels", ("triton" if triton else "pytorch reference")
               + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
              ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),
-             ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, "
+             ("data", f"{cfg.data_dir}: {data['train'].size:,} train / {data['val'].size:,} val tokens, "
                       f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
              ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
              ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
