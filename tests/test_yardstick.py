@@ -1,6 +1,7 @@
 """The LLaMA-on-C4 yardstick (docs/yardstick.md), offline and tiny: local shards in C4's (json.gz),
 FineWeb-Edu's (parquet) and JSON-lines formats and a small Hugging Face tokenizer, all written here;
-data/prepare.py on them (both modes, in parallel, resumed after a kill, an unreadable shard named);
+data/prepare.py on them (both modes, in parallel, resumed after a kill, an unreadable shard named, the
+val split from C4's validation shards);
 the rows' batches and their masked padding; the eight configs; the page's plan table against
 bench/yardstick.py --plan; and the page's commands scaled down in size: the shards prepared, a run
 stopped early on one process, then the grid finishing it and STEP beside it under torchrun on two
@@ -41,18 +42,19 @@ def documents(seed, n):
 
 
 def shards_and_tokenizer(root):
-    """C4's layout (en/c4-train.NNNNN-of-01024.json.gz: text, timestamp, url), FineWeb-Edu's (parquet,
-    several row groups), a JSON-lines file, and a Unigram tokenizer with T5's special tokens (<pad> 0,
-    </s> 1, <unk> 2, a sentinel past them) trained on the documents, saved by transformers."""
+    """C4's layout (en/c4-train.NNNNN-of-01024.json.gz and en/c4-validation.NNNNN-of-00008.json.gz:
+    text, timestamp, url), FineWeb-Edu's (parquet, several row groups), a JSON-lines file, and a
+    Unigram tokenizer with T5's special tokens (<pad> 0, </s> 1, <unk> 2, a sentinel past them)
+    trained on the documents, saved by transformers."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     os.makedirs(root / "c4" / "en")
-    for s in range(2):
-        path = root / "c4" / "en" / f"c4-train.{s:05d}-of-01024.json.gz"
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            for text in documents(s, 150):
+    for s, name, n in ((0, "train.00000-of-01024", 150), (1, "train.00001-of-01024", 150),
+                       (30, "validation.00000-of-00008", 40), (31, "validation.00001-of-00008", 40)):
+        with gzip.open(root / "c4" / "en" / f"c4-{name}.json.gz", "wt", encoding="utf-8") as f:
+            for text in documents(s, n):
                 f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "x"}) + "\n")
     fw = root / "fineweb-edu" / "sample" / "10BT"
     os.makedirs(fw)
@@ -146,7 +148,7 @@ def test_shards_of_every_format_stream_in_parallel(shards, tmp_path):
     carried in the folder."""
     tok = f"hf:{shards / 'tok'}"
     metas = [prep.prepare(str(shards), str(tmp_path / f"w{w}"), tokenizer=tok, workers=w) for w in (1, 2)]
-    assert metas[0] == metas[1] and metas[0]["n_documents"] == 2 * 150 + 2 * 120 + 30
+    assert metas[0] == metas[1] and metas[0]["n_documents"] == 2 * 150 + 2 * 40 + 2 * 120 + 30
     one, two = (read_split(tmp_path / f"w{w}", metas[0]) for w in (1, 2))
     assert all((a == b).all() for a, b in zip(one, two))
     assert sorted(os.listdir(tmp_path / "w2")) == ["meta.json", "prepare.lock", "tokenizer", "train.bin",
@@ -225,6 +227,55 @@ def test_a_killed_preparation_of_shards_resumes(shards, tmp_path, monkeypatch, c
     assert meta == {**clean, "source": meta["source"]}
     assert all((a == b).all() for a, b in zip(read_split(tmp_path / "out", meta),
                                               read_split(tmp_path / "clean", clean)))
+
+
+def test_a_killed_val_split_resumes_and_is_kept(shards, tmp_path, monkeypatch, capsys):
+    """Killed inside the val split (C4's validation shards), then inside the train split, then run
+    to the end: the val split goes on from its last commit, is not read again once done, and the
+    files are an uninterrupted run's."""
+    c4 = shards / "c4" / "en"
+    src = str(c4 / "c4-train.*-of-01024.json.gz")
+    kw = dict(tokenizer=f"hf:{shards / 'tok'}", mode="sequences", seq_len=64, workers=2, val_tokens=2500,
+              val_source=str(c4 / "c4-validation.*-of-00008.json.gz"))
+    clean = prep.prepare(src, str(tmp_path / "clean"), **kw)
+    assert 30 < clean["val_documents"] < 80
+    monkeypatch.setattr(prep, "COMMIT_SECONDS", 0)
+    monkeypatch.setattr(prep, "CHUNK_CHARS", 500)
+    monkeypatch.setattr(prep, "VAL_CHUNK", 16)
+    shuffled, texts = prep.shuffled_documents, prep.file_texts
+
+    def killed_val(files, n_docs, first):
+        for i, doc in enumerate(shuffled(files, n_docs, first)):
+            if i == 30:
+                raise KeyboardInterrupt
+            yield doc
+    monkeypatch.setattr(prep, "shuffled_documents", killed_val)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(src, str(out), **kw)
+    state = json.loads((out / "val_tokens.tmp.json").read_text())
+    assert 0 < state["docs_read"] <= 30 and not (out / "tokens.tmp").exists()
+    monkeypatch.setattr(prep, "shuffled_documents", shuffled)
+
+    def killed_train(file, skip):
+        for i, text in enumerate(texts(file, skip)):
+            if file.endswith("c4-train.00001-of-01024.json.gz") and i == 60:
+                raise KeyboardInterrupt
+            yield text
+    monkeypatch.setattr(prep, "file_texts", killed_train)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(src, str(out), **kw)
+    assert f"resuming: {state['n_docs']:,} documents" in capsys.readouterr().out
+    assert (out / "val_tokens.tmp.done").exists() and (out / "tokens.tmp.json").exists()
+    read = []
+    monkeypatch.setattr(prep, "file_texts", lambda file, skip: read.append(os.path.basename(file))
+                        or texts(file, skip))
+    meta = prep.prepare(src, str(out), **kw)
+    assert "is on disk already" in capsys.readouterr().out and read and not any("valid" in f for f in read)
+    assert meta == clean
+    assert all((a == b).all() for a, b in zip(read_split(out, meta), read_split(tmp_path / "clean", clean)))
+    assert sorted(os.listdir(out)) == ["meta.json", "prepare.lock", "tokenizer", "train.bin", "val.bin"]
 
 
 def test_an_unreadable_shard_stops_with_one_line_naming_it(shards, tmp_path, monkeypatch):
@@ -358,6 +409,39 @@ def test_the_fineweb_edu_command_of_the_page(shards, tmp_path):
     assert (meta["mode"], meta["seq_len"], meta["n_documents"]) == ("sequences", 32, 200)
 
 
+def padded_row(enc, text, seq_len):
+    """A document as --mode=sequences writes it: its first seq_len - 1 tokens and eot, padded with 0."""
+    ids = enc.encode_ordinary(text) + [enc.eot_token]
+    ids = ids if len(ids) <= seq_len else ids[:seq_len - 1] + [enc.eot_token]
+    return ids + [0] * (seq_len - len(ids))
+
+
+def test_the_c4_command_of_the_page(shards, tmp_path):
+    """The page's C4 command, in-process, on this file's shards, fewer documents and tokens: every
+    train document a row to train on, in order; the val split the validation shards' documents in
+    numpy's seed-42 permutation of their index, up to the one that brings it to --val_tokens tokens,
+    padding not counted."""
+    argv = next(a[2:] for a in page_commands()
+                if a[:2] == ["python", "data/prepare.py"] and "json.gz" in a[3])
+    c4 = shards / "c4" / "en"
+    argv = scaled(argv, source=c4 / "c4-train.*-of-01024.json.gz", tokenizer=f"hf:{shards / 'tok'}",
+                  seq_len=64, max_docs=300, val_source=c4 / "c4-validation.*-of-00008.json.gz",
+                  val_tokens=800, out=tmp_path / "c4")
+    meta = prep.prepare(**vars(prep.parse_args(argv)))
+    enc = tokenizer_of(meta, str(tmp_path / "c4"))
+    train, val = (split.reshape(-1, 64) for split in read_split(tmp_path / "c4", meta))
+    assert train.tolist() == [padded_row(enc, t, 64) for t in documents(0, 150) + documents(1, 150)]
+    texts = documents(30, 40) + documents(31, 40)
+    shuffled = [padded_row(enc, texts[i], 64) for i in np.random.default_rng(42).permutation(80)]
+    real = np.cumsum([64 - row.count(0) for row in shuffled])
+    k = int(np.searchsorted(real, 800)) + 1
+    assert val.tolist() == shuffled[:k] and 800 / 64 + 1 < k < 80   # padding is not counted
+    assert (meta["n_documents"], meta["train_tokens"], meta["val_documents"], meta["val_source_documents"],
+            meta["val_tokens"], meta["val_unpadded_tokens"], meta["val_fraction"]) == (
+        300, 300 * 64, k, 80, k * 64, real[k - 1], None)
+    assert meta["val_source"] == str(c4 / "c4-validation.*-of-00008.json.gz")
+
+
 # ----------------------------------------------------------------------------------------------
 # the page's commands, scaled down: prepare, a run stopped early, the grid under torchrun
 
@@ -375,7 +459,8 @@ def run(argv, **kw):
 
 @pytest.fixture(scope="module")
 def grid(shards, tmp_path_factory):
-    """The page's C4 command (python data/prepare.py ..., 2 workers, 300 documents, rows of 32);
+    """The page's C4 command (python data/prepare.py ..., 2 workers, 300 documents, rows of 32, 300
+    val tokens);
     `python train.py config/c4_60m.py` stopped at step 2 (a preempted job); then `python
     bench/yardstick.py --only c4_60m,c4_step_60m --launcher "torchrun --standalone --nproc_per_node=2"`,
     which finishes that run on two ranks and runs STEP beside it."""
@@ -383,9 +468,11 @@ def grid(shards, tmp_path_factory):
     commands = page_commands()
     argv = next(a for a in commands if a[:2] == ["python", "data/prepare.py"] and "json.gz" in a[3])
     data = tmp / "data" / "c4"
-    run([sys.executable] + scaled(argv[1:], source=shards / "c4" / "en" / "c4-train.*-of-01024.json.gz",
+    c4 = shards / "c4" / "en"
+    run([sys.executable] + scaled(argv[1:], source=c4 / "c4-train.*-of-01024.json.gz",
                                   tokenizer=f"hf:{shards / 'tok'}", seq_len=32, max_docs=300,
-                                  val_fraction=0.1, out=data) + ["--workers=2"])
+                                  val_source=c4 / "c4-validation.*-of-00008.json.gz", val_tokens=300,
+                                  out=data) + ["--workers=2"])
     sets = [f"--{k}={v}" for k, v in {**TINY, "data_dir": data}.items()]
     out = tmp / "out-yardstick"
     assert ["python", "train.py", "config/c4_60m.py"] in commands
