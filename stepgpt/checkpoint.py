@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from model import GPTConfig
-from stepgpt import kernels, optim
+from stepgpt import kernels, optim, sharding
 from stepgpt.errors import UserError
 
 # keys a run may change when it resumes without changing what it computes
 RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
-                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every",
-                "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log", "wandb_project",
-                "wandb_run_name"}
+                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "fsdp",
+                "sync_check_every", "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log",
+                "wandb_project", "wandb_run_name"}
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
 # what a prepared folder's meta.json says of its data that a resume needs unchanged
@@ -232,13 +232,18 @@ def claim(out_dir, init_from):
 
 
 def save(run, model, opt, it, best_val, evaluated):
-    """Every rank calls it (ZeRO-1 gathers the optimizer state); rank 0 writes out_dir/ckpt-<it>.pt.
-    `evaluated`: the checkpoint holds step `it`'s stage work and eval (written at the eval), or is
-    the state after step it-1 (written on a signal), which a resume then evaluates first."""
-    optimizer = optim.state_dict(opt)
+    """Every rank calls it (ZeRO-1 gathers the optimizer state, FSDP the model's and the optimizer's
+    shards, whole, to rank 0's CPU: one format for 1 process, DDP and FSDP); rank 0 writes
+    out_dir/ckpt-<it>.pt. `evaluated`: the checkpoint holds step `it`'s stage work and eval (written
+    at the eval), or is the state after step it-1 (written on a signal), which a resume then
+    evaluates first."""
+    if sharding.sharded(model):
+        weights, optimizer = sharding.full_state(model), sharding.full_optimizer_state(opt)
+    else:
+        weights, optimizer = model.state_dict(), optim.state_dict(opt)
     if run.master:
         save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
-            "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
+            "model": weights, "model_args": asdict(model.config), "optimizer": optimizer,
             "iter_num": it, "best_val_loss": best_val, "evaluated": evaluated, "config": asdict(run.cfg),
             "meta": run.meta, "kernels": kernels.state(), "wandb_id": run.log.wandb_id,
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
@@ -286,9 +291,14 @@ def check_resume(path, ckpt, cfg, meta, total_iters):
     return [k for k, v in ours.items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
 
 
-def restore(ckpt, device):
-    """What a resumed run takes back besides the model and optimizer: the RNG states, and the
-    kernels' measured paths and tuned configs (so it computes the same way)."""
+def restore(ckpt, device, model, opt):
+    """What a resumed run takes back besides the model: the optimizer state (under FSDP each rank
+    keeps its rows of it), the RNG states, and the kernels' measured paths and tuned configs (so it
+    computes the same way)."""
+    if sharding.sharded(model):
+        sharding.load_optimizer(opt, ckpt["optimizer"])
+    else:
+        opt.load_state_dict(ckpt["optimizer"])
     kernels.load_state(ckpt.get("kernels", {}))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
