@@ -36,7 +36,8 @@ def check_replicas(run, model, when):
     dist.all_gather_object(digests, mine)
     if len(set(digests)) > 1:
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(f"ranks {bad} hold other weights than rank 0 {when}; the ranks diverged (a bug: "
+        what = "another model" if sharding.sharded(model) else "other weights"
+        raise RuntimeError(f"ranks {bad} hold {what} than rank 0 {when}; the ranks diverged (a bug: "
                            f"please report it with the config)")
 
 
