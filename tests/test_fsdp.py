@@ -49,20 +49,9 @@ def _rows_ok(local, whole):
 
 
 def cpu_peak(fn):
-    """The peak of the CPU tensor bytes fn() allocates, from the profiler's allocation records (each
-    op's own allocations at its start, every free as it happens). bench/peak_memory.py's timeline
-    needs record_shapes, whose weak references stop FSDP2's to_empty from swapping its tensors."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage]
-    moves = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
-                    else e.self_cpu_memory_usage) for e in events)
-    live = peak = 0
-    for _, b in moves:
-        live += b
-        peak = max(peak, live)
-    return peak
+    """The peak of the CPU tensor bytes fn() allocates (bench/peak_memory.py's allocation timeline)."""
+    from bench.peak_memory import cpu_allocation_timeline
+    return max(live for _, live in cpu_allocation_timeline(fn))
 
 
 def _rank_checks(rank, port, out):

@@ -1,0 +1,36 @@
+# STEP at LLaMA-2-70B's width and depth (hidden 8192, 80 layers, 64 heads, FFN 28672, sequence 4096,
+# 32,000-token vocabulary) without grouped-query attention (our attention has as many key/value
+# heads as query heads): 78.0B parameters. For one node of 8 x 80 GB GPUs with FSDP2: the four
+# stages minimise the per-GPU peak of FSDP with fp32 AdamW (plan.py's FSDP rows; vanilla training
+# of this model needs 145 GiB of state per GPU there, STEP at most 39 GiB):
+#   python plan.py config/step_70b.py --world 8
+#   torchrun --nproc_per_node=8 train.py config/step_70b.py
+# Data: FineWeb-Edu in the 32,000-token vocabulary (20 tokens per parameter would be 1.56T):
+#   python data/prepare.py --source=fineweb-edu --max_tokens=400000000000 --vocab_ranks=31999
+out_dir = "out-step-70b"
+data_dir = "data/fineweb-edu"
+vocab_size = 32000
+
+n_embd = 8192
+n_head = 64
+ffn_hidden = 28672
+block_size = 4096
+lora_rank = 64
+lora_alpha = 128.0
+
+stage_layers = [22, 21, 19, 18]
+stage_tokens = [100_000_000_000] * 4
+
+fsdp = True
+activation_checkpointing = True
+loss_chunk = 4096
+
+batch_size = 1
+gradient_accumulation_steps = 256   # 256 sequences = 1,048,576 tokens per step (divided over ranks)
+learning_rate = 1.5e-4
+min_lr = 1.5e-5
+warmup_iters = 2000
+stage_warmup_iters = 200
+eval_interval = 1000
+eval_iters = 48                     # a multiple of the world size: under FSDP every rank runs each eval forward
+log_interval = 10
