@@ -6,8 +6,9 @@ back as a run's first stage, train.py's init_from="hf:PATH", is stepgpt/hf.py).
 
 The folder holds config.json (LlamaConfig, every field that differs from its defaults set),
 model.safetensors, and the tokenizer: tokenizer.json + tokenizer_config.json when the checkpoint's
-tokenizer is a cl100k BPE (the conversion tests/test_export.py checks id for id against tiktoken),
-else TOKENIZER.md on how to tokenise with tiktoken. Our model is LLaMA's architecture as HF
+tokenizer is a cl100k BPE (the conversion tests/test_export.py checks id for id against tiktoken)
+or a Hugging Face tokenizer (hf:NAME: the one its data folder carries, e.g. T5's), else
+TOKENIZER.md on how to tokenise with tiktoken. Our model is LLaMA's architecture as HF
 implements it (rotate-half RoPE, RMSNorm, SwiGLU, no biases, no GQA), so the weights map one to
 one, without permuting q and k. A frozen layer is exported as the float weight it computes with,
 W + (alpha/r) B A (model.dense_weight): never re-quantised, as merge() would.
@@ -21,7 +22,7 @@ import shutil
 
 import torch
 
-from data.load import get_tokenizer
+from data.load import HF_FOLDER, get_tokenizer
 from model import GPT, dense_weight
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import UserError, run_cli
@@ -46,6 +47,7 @@ def hf_config(model, meta, dtype="fp32"):
     train.py puts between documents; LlamaConfig's defaults (1 and 2) are byte tokens here."""
     cfg = model.config
     eot = meta.get("eot_token") if meta else None
+    hf = bool(meta) and meta.get("tokenizer", "").startswith("hf:")   # its own pad token, if any
     # vocab_size is padded to a multiple of 64: ids past the tokenizer's are never produced
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
@@ -56,7 +58,8 @@ def hf_config(model, meta, dtype="fp32"):
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
             "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eot, "eos_token_id": eot,
-            "pad_token_id": None, "initializer_range": 0.02, "use_cache": True,
+            "pad_token_id": meta.get("pad_token") if hf else None, "initializer_range": 0.02,
+            "use_cache": True,
             "torch_dtype": DTYPES[dtype][1], "dtype": DTYPES[dtype][1]}
 
 
@@ -109,10 +112,19 @@ def hf_tokenizer(enc):
     return tk
 
 
-def write_tokenizer(folder, meta, block_size):
+def write_tokenizer(folder, meta, block_size, data_dir=None):
     """tokenizer.json + tokenizer_config.json, or TOKENIZER.md where no tested conversion exists.
-    -> what was written (one phrase)."""
+    A Hugging Face tokenizer is the one in the run's data folder (data_dir/tokenizer), written again
+    by transformers. -> what was written (one phrase)."""
     name = meta.get("tokenizer") if meta else None
+    if name and name.startswith("hf:"):
+        source = os.path.join(data_dir or "", HF_FOLDER)
+        if not (data_dir and os.path.isdir(source)):
+            raise UserError(f"the checkpoint's tokenizer {name} is not in {source} (its data folder): "
+                            f"prepare the data again there, or export where it is")
+        tok = require("transformers").AutoTokenizer.from_pretrained(source, model_max_length=block_size)
+        tok.save_pretrained(folder)
+        return f"tokenizer.json ({name}, from {source})"
     if name in HF_TOKENIZERS:
         enc = get_tokenizer(name, meta.get("vocab_ranks", 0))
         hf_tokenizer(enc).save(os.path.join(folder, "tokenizer.json"))
@@ -128,7 +140,7 @@ def write_tokenizer(folder, meta, block_size):
     with open(os.path.join(folder, "TOKENIZER.md"), "w") as f:
         f.write(f"# Tokenizer\n\nNo Hugging Face tokenizer files here: {why}.\n\n"
                 "Tokenise with tiktoken as training did, then give the ids to the model:\n\n```python\n"
-                "from data.load import get_tokenizer      # from the step-gpt repository\n"
+                "from data.load import HF_FOLDER, get_tokenizer      # from the step-gpt repository\n"
                 f"enc = get_tokenizer({name or 'NAME'!r}, {ranks})\n"
                 "ids = enc.encode_ordinary(text)          # the model's vocabulary is padded: ids beyond "
                 "enc.n_vocab are never trained\n```\n")
@@ -138,9 +150,10 @@ def write_tokenizer(folder, meta, block_size):
 # ----------------------------------------------------------------------------------------------
 # export
 
-def write_hf(model, meta, out, dtype="fp32"):
+def write_hf(model, meta, out, dtype="fp32", data_dir=None):
     """The HF LLaMA folder `out`, written into out.tmp and renamed: a killed export leaves no
-    half folder under the name. -> what the tokenizer part wrote."""
+    half folder under the name (data_dir: the run's data, whose tokenizer/ an hf: tokenizer comes
+    from). -> what the tokenizer part wrote."""
     save_file = require("safetensors.torch").save_file
     out = os.path.normpath(out)
     if os.path.exists(out):
@@ -153,7 +166,7 @@ def write_hf(model, meta, out, dtype="fp32"):
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config(model, meta, dtype), f, indent=2)
-        tokenizer = write_tokenizer(tmp, meta, model.config.block_size)
+        tokenizer = write_tokenizer(tmp, meta, model.config.block_size, data_dir)
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,7 +183,7 @@ def main(argv):
     a = p.parse_args(argv)
     ckpt = load_checkpoint(a.ckpt)
     model = GPT.from_checkpoint(ckpt, a.ckpt)
-    tokenizer = write_hf(model, ckpt.get("meta"), a.out, a.dtype)
+    tokenizer = write_hf(model, ckpt.get("meta"), a.out, a.dtype, ckpt.get("config", {}).get("data_dir"))
     cfg = model.config
     print(f"wrote {a.out}: LlamaForCausalLM, {cfg.n_layer} layers, vocab {cfg.vocab_size}, {a.dtype}; frozen "
           f"layers {list(cfg.frozen_layers)} merged in float (W + s B A); {tokenizer}")

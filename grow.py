@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from model import GPT, LINEARS, RESIDUAL_OUT, Block, GPTConfig, dense_weight
-from stepgpt.checkpoint import load_checkpoint, save_checkpoint
+from stepgpt.checkpoint import load_checkpoint, new_file, save_checkpoint
 from stepgpt.errors import UserError, run_cli
 
 INITS = ("mean", "copy", "zero", "stack")
@@ -259,7 +259,7 @@ def main(argv):
     p.add_argument("--where", default="upper", choices=PLACEMENTS)
     p.add_argument("--freeze", action="store_true", help="STEP transition: freeze old layers in int8 + LoRA")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, type=new_file, help="the grown checkpoint (a new file)")
     args = p.parse_args(argv)
     if args.add < 1:
         raise UserError(f"--add {args.add}: add at least one layer")

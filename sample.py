@@ -26,9 +26,10 @@ def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200,
     model.eval()
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=g)
     model.train(was_training)
-    # ids past the data's vocabulary (the model's vocab is padded to a multiple of 64) decode to nothing
-    texts = [enc.decode([t for t in row if t < meta["vocab_size"] and t != meta["eot_token"]])
-             for row in out.tolist()]
+    # ids past the data's vocabulary (the model's vocab is padded to a multiple of 64) and padding
+    # (data of one document per row) decode to nothing
+    skip = {meta["eot_token"], meta.get("pad_token")}
+    texts = [enc.decode([t for t in row if t < meta["vocab_size"] and t not in skip]) for row in out.tolist()]
     return "\n---------------\n".join(texts)
 
 

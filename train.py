@@ -21,14 +21,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import frozen_linear
 import grow
-from data.load import load_data, model_vocab, tokenizer_of
+from data.load import eval_batches, load_data, model_vocab, sample_batch, tokenizer_of
 from model import GPT
 from sample import sample_text
 from stepgpt import checkpoint, kernels, monitor, optim, runtime, sharding
@@ -41,15 +40,13 @@ from stepgpt.lock import FolderLock
 # data
 
 
-def get_batch(data, split, batch_size, block_size, seed, device):
-    """A random batch that is a pure function of `seed`: resuming needs no data-loader state."""
-    arr = data[split]
-    g = torch.Generator().manual_seed(seed)
-    ix = torch.randint(len(arr) - block_size - 1, (batch_size,), generator=g).tolist()
-    xy = torch.from_numpy(np.stack([arr[i:i + block_size + 1].astype(np.int64) for i in ix]))
-    if device.type == "cuda":
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    return xy[:, :-1], xy[:, 1:]
+def get_batch(run, split, seed, index):
+    """A batch that is a pure function of `seed` and `index`: resuming needs no data-loader state
+    (data/load.py: windows at random offsets of a token stream, or rows of documents, shuffled)."""
+    x, y = sample_batch(run.data, split, run.cfg.batch_size, run.cfg.block_size, seed, index)
+    if run.device.type == "cuda":
+        x, y = (t.pin_memory().to(run.device, non_blocking=True) for t in (x, y))
+    return x, y
 
 
 def batch_seed(seed, split, it, micro):
@@ -283,16 +280,18 @@ def estimate_loss(model, run):
     model.eval()
     out = {}
     for split in ("train", "val"):
+        fixed = split == "val" and cfg.eval_tokens > 0   # the val split's first eval_tokens tokens, in order
+        n = (eval_batches(run.data, cfg.eval_tokens, cfg.batch_size, cfg.block_size) if fixed
+             else cfg.eval_iters)
         losses = []
-        for k in range(run.rank, cfg.eval_iters, run.world):
-            x, y = get_batch(run.data, split, cfg.batch_size, cfg.block_size,
-                             batch_seed(cfg.seed, "eval" + split, k, 0), run.device)
+        for k in range(run.rank, n, run.world):
+            x, y = get_batch(run, split, None if fixed else batch_seed(cfg.seed, "eval" + split, k, 0), k)
             with run.autocast:
                 losses.append(model(x, y, loss_chunk=cfg.loss_chunk)[1].float())
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=run.device)
         if run.world > 1:
             dist.all_reduce(total)
-        out[split] = total.item() / cfg.eval_iters
+        out[split] = total.item() / n
     model.train()
     return out
 
@@ -305,8 +304,8 @@ def train_step(run, model, raw, opt, it):
         group["lr"] = lr
     accum = cfg.gradient_accumulation_steps // run.world
     for micro in range(accum):
-        x, y = get_batch(run.data, "train", cfg.batch_size, cfg.block_size,
-                         batch_seed(cfg.seed, "train", it, run.rank * accum + micro), run.device)
+        k = run.rank * accum + micro   # this micro-step's place among all ranks'
+        x, y = get_batch(run, "train", batch_seed(cfg.seed, "train", it, k), it * run.world * accum + k)
         # DDP all-reduces the gradients in the last micro-step's backward only (no_sync() is a one-shot
         # context: it holds one micro-step's forward and backward); FSDP reduce-scatters every backward
         with model.no_sync() if isinstance(model, DDP) and micro < accum - 1 else nullcontext():
@@ -317,7 +316,7 @@ def train_step(run, model, raw, opt, it):
     norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
     if not torch.isfinite(loss) or not torch.isfinite(norm):
         raise UserError(f"non-finite loss or gradient at step {it} (loss {loss.item()}, grad norm "
-                        f"{norm.item()}); stopped. {monitor.divergence_advice(cfg)}")
+                        f"{norm.item()}); stopped. {monitor.divergence_advice(run)}")
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm, lr
@@ -355,8 +354,9 @@ def train(cfg):
 
         meter = monitor.Meter(run)
         resumed_at = run.resumed_at
-        with runtime.StopRequest() as stop:
+        with runtime.StopRequest() as stop, monitor.OutOfMemory(run) as oom:
             while True:
+                oom.step = it   # out of memory in the step, its eval or stage change: one line naming it
                 stage = run.stage_of(it)
                 # the stage boundary: every layer of the earlier stages must be frozen
                 if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:
@@ -375,10 +375,11 @@ def train(cfg):
                     if it > 0:
                         checkpoint.save(run, raw, opt, it, best_val, evaluated=True)
                     saved = " | ckpt saved" if it > 0 else ""
+                    ppl = monitor.perplexity(losses["val"])
                     run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val "
-                                  f"{losses['val']:.4f} (best {best_val:.4f}){saved}")
+                                  f"{losses['val']:.4f} (ppl {ppl:.2f}, best {best_val:.4f}){saved}")
                     run.log.record(step=it, stage=stage + 1, train_loss=losses["train"],
-                                   val_loss=losses["val"])
+                                   val_loss=losses["val"], val_ppl=ppl)
                 if it == cfg.stop_at > 0:
                     run.log.print(f"stopped at step {it} (stop_at); continue with --init_from=resume")
                     return

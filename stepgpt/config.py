@@ -26,6 +26,9 @@ class TrainConfig(GPTConfig):
                                         # (weights only) or 'hf:PATH' (stage 1 from a HF LLaMA folder)
     eval_interval: int = 100
     eval_iters: int = 20
+    eval_tokens: int = 0                # >0: val loss (and perplexity) on the val split's first eval_tokens
+                                        # tokens, padding not counted, in whole batches and in a fixed order
+                                        # (the yardstick's 10M); 0: eval_iters random batches
     log_interval: int = 10
     keep_checkpoints: int = 2           # the newest k checkpoints stay in out_dir (ckpt-<iter>.pt)
     eval_only: bool = False
@@ -97,7 +100,7 @@ class TrainConfig(GPTConfig):
                 raise UserError(f"{key}={getattr(self, key)} must be >= 1")
         for key in ("sync_check_every", "loss_chunk", "warmup_iters", "stage_warmup_iters", "relora_every",
                     "stop_at", "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
-                    "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale"):
+                    "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale", "eval_tokens"):
             v, positive = getattr(self, key), key in ("learning_rate", "galore_scale")
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise UserError(f"{key}={v} must be a finite number {'> 0' if positive else '>= 0'}")

@@ -36,18 +36,43 @@ def name_map(n_layer, tied):
     return names
 
 
+# the config.json fields config_mismatch reads without a LlamaConfig default
+CONFIG_INTS = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+
+
+def read_json(path, name):
+    """A JSON object file of the HF folder `path`; anything else is one line."""
+    try:
+        with open(os.path.join(path, name), encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:   # unreadable, not UTF-8, not JSON
+        why = getattr(e, "strerror", None) or e
+        raise UserError(f"hf:{path}: its {name} cannot be read as JSON ({why}); the folder is damaged: "
+                        f"export it again") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"hf:{path}: its {name} holds a JSON {type(obj).__name__}, not an object; the folder "
+                        f"is damaged: export it again")
+    return obj
+
+
 def read_hf(path):
     """-> (config.json as a dict, {name: tensor}) of a HF folder: model.safetensors, or the shards
     model.safetensors.index.json lists."""
     load_file = require("safetensors.torch").load_file
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"hf:{path} is not a Hugging Face model folder (no config.json)")
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
+    config = read_json(path, "config.json")
+    bad = next((k for k in CONFIG_INTS if type(config.get(k)) is not int), None)
+    if bad:
+        what = f"{bad}={config[bad]!r}, not an integer" if bad in config else f"no {bad}"
+        raise UserError(f"hf:{path}: its config.json has {what}; the folder is damaged: export it again")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(path, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"hf:{path}: its model.safetensors.index.json has no weight_map of tensor names "
+                            f"to files; the folder is damaged: export it again")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -67,6 +92,7 @@ def config_mismatch(hf, cfg, layers_key):
     sentence, or None. LlamaConfig's defaults fill fields the file leaves out."""
     heads = hf.get("num_attention_heads")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope if isinstance(rope, dict) else {"rope_type": rope}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     unsupported = [("model_type", hf.get("model_type"), "llama"),
                    ("num_key_value_heads", hf.get("num_key_value_heads", heads), heads),   # no GQA here

@@ -2,16 +2,19 @@
 loss, lr, tokens/s, MFU and ETA (Meter), and metrics.jsonl, one JSON record per log and eval step
 (Logger), which the trackers a config turns on (TensorBoard, W&B) get too. Rank 0 only."""
 import json
+import math
 import os
+import re
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
 import grow
-from model import merge_quality
+from model import GPT, merge_quality
 from stepgpt import kernels, memory
-from stepgpt.checkpoint import checkpoint_files
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
 
 
@@ -133,7 +136,8 @@ WANDB_TIMEOUT = 30
 
 
 class WandB:
-    """A Weights & Biases run in out_dir/wandb. It never stops or holds up training: without an API
+    """A Weights & Biases run in out_dir/wandb, or in $WANDB_DIR/wandb where that is set (W&B's own
+    variable, which clusters point at a scratch disk). It never stops or holds up training: without an API
     key it is offline from the start (no prompt, no wait), and a server that does not answer within
     WANDB_TIMEOUT seconds makes it offline too; either way one line says so, and `wandb sync` uploads
     the run folder later. W&B keeps the steps it has been sent (a run's steps only grow): a run that
@@ -149,8 +153,8 @@ class WandB:
         self.after = after if run_id is not None and after is not None else -1
         name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
         kw = dict(project=cfg.wandb_project, name=name, id=run_id, resume="allow" if run_id else None,
-                  dir=cfg.out_dir, settings=wandb.Settings(init_timeout=WANDB_TIMEOUT,
-                                                           finish_timeout=WANDB_TIMEOUT))
+                  dir=os.environ.get("WANDB_DIR") or cfg.out_dir,
+                  settings=wandb.Settings(init_timeout=WANDB_TIMEOUT, finish_timeout=WANDB_TIMEOUT))
         why = f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None
         if why is None and not wandb.login(prompt=False, verify=False):
             why = "no W&B API key: `wandb login` or WANDB_API_KEY"
@@ -179,32 +183,88 @@ class WandB:
         self.run.finish(exit_code=1 if failed else 0)
 
 
-def divergence_advice(cfg):
+# a trained LLM's weights, norm gains included, stay within about +-10^2; far beyond it they diverged
+SANE_WEIGHT = 1e4
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for x in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(x)
+
+
+def why_not_resumable(path, data):
+    """None if training can go on from the checkpoint at `path`, else why not (a phrase): its weights
+    and optimizer state must be finite, its weights within +-SANE_WEIGHT, and a forward and backward
+    pass of its model on one sequence of the run's training data `data` must give a finite loss and
+    gradient. On the CPU, off the run's device: the run's model still holds the device's memory."""
+    try:
+        ckpt = load_checkpoint(path)
+        model = GPT.from_checkpoint(ckpt, path)
+    except UserError as e:
+        return str(e)
+    weights = [t for t in _tensors(ckpt["model"]) if t.is_floating_point()]
+    if not all(torch.isfinite(t).all() for t in weights + [t for t in _tensors(ckpt["optimizer"])
+                                                            if t.is_floating_point()]):
+        return "non-finite weights or optimizer state"
+    top = max((t.abs().max().item() for t in weights if t.numel()), default=0.0)
+    if top > SANE_WEIGHT:
+        return f"weights up to {top:.3g}"
+    T = model.config.block_size
+    xy = torch.from_numpy(data[:T + 1].astype(np.int64))[None]
+    loss = model(xy[:, :-1], xy[:, 1:])[1]
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    if not (torch.isfinite(loss) and torch.isfinite(norm)):
+        return f"a non-finite gradient on the data: loss {loss.item():.4g}, grad norm {norm.item():.4g}"
+    return None
+
+
+def divergence_advice(run):
     """What to do when the loss went non-finite, from the checkpoints in out_dir and the
     val losses metrics.jsonl holds for their steps: every checkpoint was written before that step,
     but its weights may already be diverging. A checkpoint whose val loss is above the untrained
-    model's (step 0's) is taken as diverged; of the others, the newest with the lower val loss is the
-    one to resume from, at a tenth of the learning rate (at most the default 1e-3). The newest two
-    only: those --init_from=resume and resume_previous reach."""
+    model's (step 0's) is taken as diverged, and so is one training cannot go on from
+    (why_not_resumable, checked for the one named only); of the others, the newest with the lower
+    val loss is the one to resume from, at a tenth of the learning rate (at most the default 1e-3).
+    The newest two only: those --init_from=resume and resume_previous reach. Rank 0 checks and
+    advises; the other ranks point to its line."""
+    cfg = run.cfg
+    if not run.master:
+        return "Rank 0's line says what to do."
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     records = read_metrics(path)[0] if os.path.isfile(path) else []
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     files = [(int(os.path.basename(p)[5:-3]), p) for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
     files = files[:2]   # --init_from=resume and resume_previous reach these two
-    lr = f"--learning_rate={min(cfg.learning_rate / 10, 1e-3):g}"
+    new_lr = min(cfg.learning_rate / 10, 1e-3)
+    lr = f"--learning_rate={new_lr:g}" + (f" --min_lr={new_lr / 10:g}" if new_lr < cfg.min_lr else "")
     if not files:
         return f"No checkpoint was written before it: start again with a lower learning rate, e.g. {lr}"
     untrained = val.get(0, float("inf"))
     seen = ", ".join(f"{p} (step {s}, val loss {val.get(s, float('nan')):.4g})" for s, p in files)
-    good = [(val.get(s, float("inf")), -s, p) for s, p in files if val.get(s, float("inf")) < untrained]
+    good = sorted((val.get(s, float("inf")), -s, p) for s, p in files if val.get(s, float("inf")) < untrained)
     if not good:
         return (f"The checkpoints, {seen}, score worse than the untrained model (val loss {untrained:.4g}): "
                 f"they hold diverged weights; start again in another --out_dir with a lower learning rate, "
                 f"e.g. {lr}")
-    best = min(good)[2]
-    how = "--init_from=resume" if best == files[0][1] else "--init_from=resume_previous"
-    return (f"The newest checkpoints: {seen}. Continue from {best}, the lower val loss, with a lower "
-            f"learning rate: {how} {lr}")
+    broken = []
+    for _, _, best in good:
+        why = why_not_resumable(best, run.data["train"])
+        if why is None:
+            how = "--init_from=resume" if best == files[0][1] else "--init_from=resume_previous"
+            return (f"The newest checkpoints: {seen}. Continue from {best}, the lower val loss, with a lower "
+                    f"learning rate: {how} {lr}")
+        broken.append(f"{best} ({why})")
+    return (f"The newest checkpoints: {seen}; training cannot go on from {' or '.join(broken)}: start again "
+            f"in another --out_dir with a lower learning rate, e.g. {lr}")
+
+
+def perplexity(loss):
+    """exp(mean loss), the yardstick's number; inf where it overflows (a diverged model)."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def fmt_bytes(n):
@@ -229,7 +289,7 @@ def describe(run):
              ("kernels", ("triton" if triton else "pytorch reference")
               + f" (STEP_KERNELS={os.environ.get('STEP_KERNELS', 'auto')})"),
              ("world size", run.world), ("tokens/iter", f"{run.tokens_per_iter:,}"),
-             ("data", f"{cfg.data_dir}: {len(data['train']):,} train / {len(data['val']):,} val tokens, "
+             ("data", f"{cfg.data_dir}: {data['train'].size:,} train / {data['val'].size:,} val tokens, "
                       f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
              ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
              ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
@@ -251,14 +311,85 @@ def describe(run):
             run.log.print(warning)
 
 
+# the keys that lower a step's peak memory, as the lines that name them say it
+LOWER_PEAK = ("lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or set "
+              "activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
+              "CONFIG shows what each saves")
+
+
 def memory_warning(planned, free, device):
     """A line when the planned step peak is over the device's free memory, naming what to change."""
     if planned <= free:
         return None
     return (f"warning: the planned step peak, {fmt_bytes(planned)}, is over the {fmt_bytes(free)} free on "
-            f"{device}: lower batch_size (raising gradient_accumulation_steps keeps the tokens per step), or "
-            f"set activation_checkpointing=True, loss_chunk=block_size, optimizer=adamw8bit; python plan.py "
-            f"CONFIG shows what each saves")
+            f"{device}: {LOWER_PEAK}")
+
+
+class OutOfMemory:
+    """Out of memory in the loop it wraps (a training step, an eval, a stage change: CUDA's
+    torch.OutOfMemoryError, the CPU allocator's RuntimeError, a MemoryError) ends the run in one
+    line instead of a traceback (out_of_memory_line). The loop sets `step` as it goes."""
+
+    def __init__(self, run):
+        self.run, self.step = run, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        cause = error
+        while cause is not None and not is_out_of_memory(cause):   # torch.compile wraps what it ran
+            cause = cause.__cause__
+        if cause is not None:
+            raise UserError(out_of_memory_line(self.run, self.step, cause)) from None
+
+
+def is_out_of_memory(error):
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and re.search(r"CPUAllocator: (can't allocate|not enough) memory|"
+                                                      r"CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED",
+                                                      str(error)) is not None)
+
+
+def device_memory(device):
+    """What `device` has, in words: a GPU's total and free memory; the CPU's available RAM, and the
+    address-space limit (ulimit -v, RLIMIT_AS) where one is set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return f"the {fmt_bytes(total)} of {device} ({fmt_bytes(free)} free now)"
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    have = f"the {fmt_bytes(available)} of RAM available"
+    try:
+        import resource   # Unix only
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            have += f" and the address-space limit of {fmt_bytes(limit)} (ulimit -v)"
+    except ImportError:
+        pass
+    return have
+
+
+def out_of_memory_line(run, step, error):
+    """The step and stage, what the allocation that failed asked for (parsed from the message where
+    it says), the stage's planned step peak against what the device has, the keys that lower it, and
+    the newest checkpoint to resume from."""
+    cfg = run.cfg
+    stage = run.stage_of(step)
+    final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
+    planned = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)[stage]
+    # the CPU allocator says "tried to allocate N bytes", CUDA and numpy "allocate 2.00 GiB"
+    size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)", str(error))
+    asked = fmt_bytes(int(size[1])) if size and size[1] else size[2] if size else "an amount it does not say"
+    files = [p for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
+    then = (f"then continue from {files[0]} with --init_from=resume" if files else
+            "then start again (no checkpoint was written yet)")
+    return (f"out of memory at step {step} (stage {stage + 1}/{len(run.depth)}) on {run.device}: it tried to "
+            f"allocate {asked}; the planned step peak of stage {stage + 1} is {fmt_bytes(planned)}, against "
+            f"{device_memory(run.device)}: {LOWER_PEAK}; {then}")
 
 
 def merge_record(sums):

@@ -119,7 +119,7 @@ def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
 
 
 def test_train_step_time_bench_as_the_readme_runs_it():
-    """bench/step_time.py's two README forms, scaled down in depth, batch and length only."""
+    """bench/step_time.py's two forms in docs/kernels.md, scaled down in depth, batch and length only."""
     import re
     small = run("bench/step_time.py", "--layers", "2", "--batch", "2", "--block", "16", "--windows", "2",
                 "--steps", "1", "--warmup", "1")

@@ -1,4 +1,4 @@
-"""bench/compile_kernels.py: every kernel compiled for sm_90 on this CPU box, as the README runs it,
+"""bench/compile_kernels.py: every kernel compiled for sm_90 on this CPU box, as docs/kernels.md runs it,
 under this triton and under the lowest supported one (3.6, installed beside it), and a check that
 its exit status catches a config that cannot run."""
 import os
@@ -25,7 +25,7 @@ def _run(argv, code=None, pythonpath=None):
 
 
 def test_every_kernel_compiles_clean_for_sm90():
-    # the README's command: a few minutes on 2 cores
+    # docs/kernels.md's command: a few minutes on 2 cores
     run = _run([])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "0 failed, 0 launches with no config that fits, 0 bf16 main-GEMM configs" in run.stdout

@@ -170,12 +170,13 @@ def test_fineweb_path_on_local_dicts(tmp_path, monkeypatch, enc):
         prep.prepare("fineweb-edu", str(tmp_path / "fw"))
 
 def shown_prepare_commands():
-    """Every `python data/prepare.py ...` command the README and the config files show a user."""
+    """Every `python data/prepare.py ...` command the README, docs/ and the config files show a user."""
     import glob
     import re
     import shlex
     texts = [open(p).read() for p in
-             [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
+             [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+             + sorted(glob.glob(os.path.join(ROOT, "config", "*.py")))]
     lines = [m.group(1) for t in texts for m in re.finditer(r"python data/prepare\.py([^\n#`]*)", t)]
     return sorted({tuple(shlex.split(line)) for line in lines})
 

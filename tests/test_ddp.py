@@ -140,10 +140,10 @@ def test_shipped_config_accumulation_pattern_on_two_ranks(name, runs, tmp_path):
 
 
 def readme_commands():
-    """The commands of the README's "Many GPUs, many days" block, as argument lists (continuation
+    """The commands of docs/distributed.md's first block, as argument lists (continuation
     lines joined, comments dropped)."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split("### Many GPUs, many days", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    block = text.split("# Many GPUs, many days", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = block.replace("\\\n", " ").splitlines()
     return [shlex.split(line, comments=True) for line in lines if line.strip()]
 

@@ -126,19 +126,19 @@ def test_sft_bad_model_folder(runs, tmp_path):
 # -- the pipeline's commands -----------------------------------------------------------------------
 
 def pipeline_commands():
-    """The commands the README gives for one model (the same as downstream/compare.py's docstring),
-    continuation lines joined."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    """The commands docs/huggingface.md gives for one model (the same as downstream/compare.py's
+    docstring), continuation lines joined."""
+    readme = open(os.path.join(ROOT, "docs", "huggingface.md")).read()
     block = readme.split("For one model the\nsteps are these commands:")[1]
     block = block.split("```bash\n")[1].split("```")[0]
     doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "downstream", "compare.py")).read()))
     in_doc = doc.split("The pipeline it runs for each model")[1].split("\n\n")[1]
-    assert block.strip() == textwrap.dedent(in_doc).strip(), "README and compare.py's docstring differ"
+    assert block.strip() == textwrap.dedent(in_doc).strip(), "the page and compare.py's docstring differ"
     return [shlex.split(line) for line in block.replace("\\\n", "").splitlines()]
 
 
 def test_pipeline_commands(runs, tmp_path):
-    """Each command as the docstring (and the README) gives it, in a folder laid out as the
+    """Each command as the docstring (and docs/huggingface.md) gives it, in a folder laid out as the
     repository with a tiny run under the names used there; lm-eval's bits per byte is ours."""
     os.symlink(runs / "step", tmp_path / "out-step-small")
     os.makedirs(tmp_path / "data")

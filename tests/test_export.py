@@ -21,7 +21,7 @@ from stepgpt.hf import load_hf, read_hf  # noqa: E402
 import train  # noqa: E402
 from stepgpt.checkpoint import load_checkpoint  # noqa: E402
 from stepgpt.config import load_config  # noqa: E402
-from stepgpt.errors import UserError  # noqa: E402
+from stepgpt.errors import UserError, run_cli  # noqa: E402
 from data.load import get_tokenizer  # noqa: E402
 from data.prepare import CACHE_DIR, shakespeare_documents  # noqa: E402
 from model import GPT, FrozenLoRALinear  # noqa: E402
@@ -250,6 +250,55 @@ def test_bad_folders(runs, tmp_path):
         load_config([f"--init_from=hf:{tmp_path / 'nowhere'}"])
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("config.json", "not json{", "its config.json cannot be read as JSON (Expecting value"),
+    ("config.json", b"\xff\xfe{}", "its config.json cannot be read as JSON ("),
+    ("config.json", "[1, 2]", "its config.json holds a JSON list, not an object"),
+    ("config.json", {"hidden_size": None}, "its config.json has no hidden_size;"),
+    ("config.json", {"num_hidden_layers": "2"}, "its config.json has num_hidden_layers='2', not an integer"),
+    ("config.json", {"rope_parameters": "yarn"}, "does not fit the run's config: its rope type='yarn'"),
+    ("model.safetensors.index.json", "{", "its model.safetensors.index.json cannot be read as JSON"),
+    ("model.safetensors.index.json", {}, "its model.safetensors.index.json has no weight_map"),
+    ("model.safetensors.index.json", {"weight_map": ["model.safetensors"]}, "has no weight_map"),
+    ("model.safetensors.index.json", {"weight_map": {"x": "gone.safetensors"}},
+     "cannot read gone.safetensors"),
+])
+def test_a_damaged_json_file_of_the_folder_is_one_line(runs, tmp_path, name, content, message):
+    """Each JSON file an hf: folder load reads, not JSON, not an object or without the fields the load
+    needs: a UserError (one line from the CLI), never a JSONDecodeError or AttributeError traceback."""
+    _, out = exported(runs, "vanilla")
+    folder = edited(out, tmp_path / "hf")
+    if isinstance(content, dict) and name == "config.json":   # fields changed; None: left out
+        cfg = {**json.load(open(os.path.join(folder, name))), **content}
+        content = json.dumps({k: v for k, v in cfg.items() if v is not None})
+    elif isinstance(content, dict):
+        content = json.dumps(content)
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(content if isinstance(content, bytes) else content.encode())
+    cfg = load_config(TINY + [f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2",
+                              f"--init_from=hf:{folder}"])
+    with train.setup(cfg) as run, pytest.raises(UserError) as e:
+        train.build(run)
+    assert message in str(e.value) and str(e.value).startswith(f"hf:{folder}") and "\n" not in str(e.value)
+
+
+def test_a_config_json_that_is_not_json_is_one_line_from_train_py(runs, tmp_path, monkeypatch, capsys):
+    """`python train.py CONFIG --init_from=hf:DIR` (run_cli, as the script runs it) where DIR/config.json
+    is not JSON: exit status 2 and one line on stderr."""
+    _, out = exported(runs, "vanilla")
+    folder = edited(out, tmp_path / "hf")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write("not json{")
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"--data_dir={runs / 'data'}", "--n_layer=2",
+                                      f"--out_dir={tmp_path / 'run'}", f"--init_from=hf:{folder}"])
+    with pytest.raises(SystemExit) as e:
+        run_cli(train.main)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"error: hf:{folder}: its config.json cannot be read as JSON "
+                                         f"(Expecting value: line 1 column 1 (char 0)); the folder is "
+                                         f"damaged: export it again\n")
+
+
 @pytest.mark.slow
 def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, tmp_path, monkeypatch):
     model, out = exported(runs, "vanilla")
@@ -355,20 +404,20 @@ def test_tokenizer_on_shakespeare(tokenizers_pair):
                 == enc.encode_ordinary(doc["text"])), doc["name"]
 
 
-# -- the README's commands -----------------------------------------------------------------------
+# -- docs/huggingface.md's commands -------------------------------------------------------------
 
 def readme_section():
-    """The README's Hugging Face section."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("### Hugging Face: export")
+    """docs/huggingface.md's export section."""
+    text = open(os.path.join(ROOT, "docs", "huggingface.md")).read()
+    start = text.index("## Export, load, evaluate, import")
     end = text.find("\n#", start + 1)
     return text[start:end if end > 0 else None]
 
 
 @pytest.mark.slow
 def test_readme_commands(runs, tmp_path):
-    """The export commands, the Python snippet and the train command as the README gives them, in a
-    folder holding a tiny run under the README's name; the train command scaled down in size."""
+    """The export commands, the Python snippet and the train command as docs/huggingface.md gives
+    them, in a folder holding a tiny run under the page's name; the train command scaled down in size."""
     section = readme_section()
     os.symlink(runs / "step", tmp_path / "out-step-small")
     commands = [shlex.split(line.split("#")[0]) for line in section.splitlines()

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from stepgpt import checkpoint
+from stepgpt import checkpoint, monitor
 import train
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
@@ -192,6 +192,42 @@ def test_a_file_size_limit_at_save_time_is_one_line_and_keeps_the_previous_check
                      r"[\d.]+ MiB, .* the previous one, .*ckpt-00000006.pt, is intact \(checksum verified\)",
                      proc.stderr), proc.stderr
     assert sorted(os.listdir(out)) == ["ckpt-00000006.pt", "metrics.jsonl", "run.lock"]
+
+
+# train.py under an address-space limit (`ulimit -v`) of 1 GiB above what its imports mapped: set after
+# them, so that the margin does not depend on how much a torch build maps at import
+UNDER_1GIB = (
+    "import os, resource, sys\n"
+    f"sys.path.insert(0, {ROOT!r})\n"
+    "import train\nfrom stepgpt import errors\n"
+    "size = next(int(line.split()[1]) * 1024 for line in open('/proc/self/status')\n"
+    "            if line.startswith('VmSize'))\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))\n"
+    "sys.argv[0] = 'train.py'\n"
+    "errors.run_cli(train.main)\n")
+
+
+def test_out_of_memory_in_a_training_step_is_one_line(straight, tmp_path):
+    """A batch that cannot fit (200,000 sequences: a planned peak of GiBs) in a real run on the CPU under
+    an address-space limit: the allocator's RuntimeError in the first resumed step ends the run in one
+    line, no traceback, naming the step and stage, what it tried to allocate, the planned peak against
+    the RAM and the limit, the keys that lower it and the checkpoint to continue from."""
+    _, data = straight
+    out = tmp_path / "out"
+    train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}", "--stop_at=6"])
+    proc = subprocess.run([sys.executable, "-c", UNDER_1GIB, *RUN, f"--data_dir={data}", f"--out_dir={out}",
+                           "--init_from=resume", "--batch_size=200000"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    ckpt = os.path.join(out, "ckpt-00000006.pt")
+    fix = f"{monitor.LOWER_PEAK}; then continue from {ckpt} with --init_from=resume\n"
+    assert re.fullmatch(r"error: out of memory at step 6 \(stage 1/2\) on cpu: it tried to allocate "
+                        r"[\d.]+[MG]iB; the planned step peak of stage 1 is [\d.]+GiB, against the "
+                        r"[\d.]+[MG]iB of RAM available and the address-space limit of [\d.]+GiB "
+                        r"\(ulimit -v\): " + re.escape(fix), proc.stderr), proc.stderr
+    for key in ("batch_size", "gradient_accumulation_steps", "activation_checkpointing", "loss_chunk"):
+        assert key in proc.stderr
 
 
 def test_a_prepare_that_hits_a_file_size_limit_leaves_the_earlier_folder_usable(tmp_path):

@@ -108,7 +108,7 @@ def test_adamw8bit_accounting_counts_each_tensor_by_its_size():
 
 @pytest.mark.slow
 def test_readme_plan_commands_run_and_its_1b_table_is_the_commands_output():
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         text = f.read()
     commands = re.findall(r"^(python plan\.py [^#\n]*?)\s*(?:#.*)?$", text, re.M)
     assert len(commands) >= 3
@@ -328,6 +328,28 @@ def test_bad_growth_requests():
         grow.plan_stages(tiny_config(), 4, 5)
 
 
+def test_grow_cli_never_replaces_a_file_and_writes_its_checkpoint_whole(tmp_path):
+    """`grow.py CKPT --add N --out FILE`: an existing FILE (a user's checkpoint, or anything else) is
+    refused in one line before any work and left as it was; a missing folder is one line too; a new
+    FILE is written through the checkpoint writer (temp file, then rename; verified on load)."""
+    from dataclasses import asdict
+    from stepgpt.checkpoint import load_checkpoint, save_checkpoint
+    model = GPT(tiny_config())
+    src = str(tmp_path / "src.pt")
+    save_checkpoint(src, {"model": model.state_dict(), "model_args": asdict(model.config)})
+    theirs = tmp_path / "theirs.pt"
+    theirs.write_bytes(b"a user's file")
+    with pytest.raises(UserError) as e:
+        grow.main([src, "--add=1", f"--out={theirs}"])
+    assert str(e.value) == f"--out {theirs} exists: choose another --out or delete {theirs}"
+    assert theirs.read_bytes() == b"a user's file"
+    with pytest.raises(UserError, match="there is no folder .*nowhere; create it or choose another --out"):
+        grow.main([src, "--add=1", f"--out={tmp_path / 'nowhere' / 'g.pt'}"])
+    grow.main([src, "--add=1", f"--out={tmp_path / 'grown.pt'}"])
+    assert load_checkpoint(str(tmp_path / "grown.pt"))["model_args"]["n_layer"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["grown.pt", "src.pt", "theirs.pt"]   # no temp file left
+
+
 def test_plan_cli_says_where_the_vocabulary_comes_from(tmp_path, capsys):
     """The printed plan is for the vocabulary the run will train with: the prepared data's, else the
     config's vocab_size, else the default tokenizer's, said as an assumption."""
@@ -361,12 +383,12 @@ def test_zero1_divides_only_the_optimizer_share_over_the_ranks():
 
 
 def test_readme_placement_picture():
-    """The README's picture of the placements is what grow.insertion_gaps does."""
+    """docs/planning.md's picture of the placements is what grow.insertion_gaps does."""
     def order(n_old, n_new, where):
         gaps = grow.insertion_gaps(n_old, n_new, where, seed=0)
         return " ".join(f"{i}" + " n" * gaps.count(i) for i in range(n_old))
 
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         lines = {line.split()[0]: line for line in f if re.match(rf"({'|'.join(grow.PLACEMENTS)}) +0 ", line)}
     assert sorted(lines) == sorted(grow.PLACEMENTS)
     for where, line in lines.items():

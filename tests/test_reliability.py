@@ -12,10 +12,13 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 import train
 from data import prepare as prep
+from stepgpt import monitor
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
 
@@ -122,6 +125,125 @@ def test_a_divergence_with_no_checkpoint_says_to_start_again(tmp_path):
         run(tmp_path, "--learning_rate=1e30", "--eval_interval=100")
     assert "No checkpoint was written before it: start again with a lower learning rate, e.g. " \
            "--learning_rate=0.001" in one_line(e)
+
+
+def test_following_the_divergence_advice_never_loops(tmp_path):
+    """A learning rate of 1e30 from the start (a typo for 1e-3), a checkpoint at every step: the
+    checkpoint written after the first step already holds weights of ~1e29 (its loss can look sane).
+    Each advice is followed as given, continuing (--init_from=...) or starting again in another
+    out_dir; it must not name a checkpoint that diverges again, so the second attempt trains to the end."""
+    data, out, extra, advice = write_dataset(tmp_path / "data"), "out", ["--learning_rate=1e30"], []
+    for attempt in range(3):
+        try:
+            run(tmp_path, "--eval_interval=1", "--seed=1", *extra, out=out, data=data)
+            break
+        except UserError as e:
+            message = str(e)
+        assert message.startswith("non-finite loss or gradient at step") and "\n" not in message
+        assert message not in advice, advice
+        advice.append(message)
+        if "Continue from" in message:   # the flags after "learning rate: " continue the run
+            extra = shlex.split(message.split("learning rate: ")[1])
+        else:                              # "start again in another --out_dir ..., e.g. FLAGS"
+            extra, out = shlex.split(message.split("e.g. ")[1]), f"out{attempt + 1}"
+    assert len(advice) == 1, advice
+    final = load_checkpoint(str(tmp_path / out))
+    assert final["iter_num"] == 12 and np.isfinite(final["best_val_loss"])
+
+
+def test_a_diverged_checkpoint_whose_val_loss_looks_sane_is_not_named(tmp_path, monkeypatch):
+    """The issue's case, made certain: the checkpoint after a 1e30 step scores below the untrained
+    model (its step-0 val loss set higher here), yet holds weights of ~1e29 and gives a NaN gradient.
+    The advice checks it before naming it, and says to start again; each check alone rejects it."""
+    data = write_dataset(tmp_path / "data")
+    with pytest.raises(UserError):
+        run(tmp_path, "--eval_interval=1", "--learning_rate=1e30", data=data)
+    out = str(tmp_path / "out")
+    lines = [{**r, "val_loss": 99.0} if r.get("step") == 0 and "val_loss" in r else r for r in records(out)]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in lines)
+    with pytest.raises(UserError) as e:   # the advice of the main line: continue from it
+        run(tmp_path, "--eval_interval=1", "--init_from=resume", "--learning_rate=0.001", data=data)
+    message = one_line(e)
+    ckpt = os.path.join(out, "ckpt-00000001.pt")
+    assert f"training cannot go on from {ckpt} (weights up to " in message and "Continue from" not in message
+    assert message.endswith("start again in another --out_dir with a lower learning rate, e.g. "
+                            "--learning_rate=0.0001")
+    monkeypatch.setattr(monitor, "SANE_WEIGHT", float("inf"))   # the gradient check alone
+    train_data = np.memmap(os.path.join(data, "train.bin"), dtype=np.uint16, mode="r")
+    assert monitor.why_not_resumable(ckpt, train_data).startswith(
+        "a non-finite gradient on the data: loss ")
+
+
+def test_the_advised_learning_rate_keeps_min_lr_below_it(tmp_path):
+    """A tenth of learning_rate=min_lr=1e-4 is under min_lr, which the config refuses: the advice lowers
+    min_lr with it, so that following it does not end in a config error."""
+    from types import SimpleNamespace
+    cfg = load_config(TINY + [f"--out_dir={tmp_path}", "--learning_rate=1e-4", "--min_lr=1e-4"])
+    advice = monitor.divergence_advice(SimpleNamespace(cfg=cfg, master=True, data={}))
+    flags = advice.split("e.g. ")[1]
+    assert flags == "--learning_rate=1e-05 --min_lr=1e-06"
+    load_config(TINY + shlex.split(flags))
+
+
+# -- out of memory -----------------------------------------------------------------------------------
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of "
+            "which 1.06 GiB is free. Of the allocated memory 76.10 GiB is allocated by PyTorch")
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_out_of_memory_at_a_stage_change_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, monkeypatch,
+                                                                                        wrapped):
+    """torch.OutOfMemoryError in the growth at step 4 (raised as such, or wrapped as torch.compile wraps
+    what it runs): one line with the step and stage, what was asked for, the stage's planned peak, the
+    keys that lower it and the checkpoint to continue from. Any other error is left as it is."""
+    def grows_out_of_memory(run, raw, opt, stage, it):
+        if not wrapped:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        try:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("backend compiler failed") from e
+
+    def a_bug(*args):
+        raise RuntimeError("a bug")
+
+    data = write_dataset(tmp_path / "data")
+    monkeypatch.setattr(train, "enter_stage", grows_out_of_memory)
+    with pytest.raises(UserError) as e:
+        run(tmp_path, "--max_iters=8", "--eval_interval=2", data=data)
+    message = one_line(e)
+    ckpt = os.path.join(tmp_path, "out", "ckpt-00000002.pt")
+    assert message.startswith("out of memory at step 4 (stage 2/2) on cpu: it tried to allocate 2.00 GiB; "
+                              "the planned step peak of stage 2 is "), message
+    assert "of RAM available" in message
+    assert message.endswith(f"{monitor.LOWER_PEAK}; then continue from {ckpt} with --init_from=resume")
+    monkeypatch.setattr(train, "enter_stage", a_bug)
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        run(tmp_path, "--max_iters=8", "--eval_interval=2", "--init_from=resume", data=data)
+
+
+def test_the_out_of_memory_line_on_a_gpu_names_its_total_and_free_memory(tmp_path, monkeypatch):
+    """The CUDA branch, with a stubbed torch.OutOfMemoryError and device: the planned peak is the one
+    train.py prints for the stage (bf16 activations), against the GPU's total and free memory."""
+    from stepgpt import memory
+    import grow
+    data = write_dataset(tmp_path / "data")
+    cfg = load_config(TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**20, 80 * 2**30))
+    with train.setup(cfg) as r:
+        r.device, r.dtype = torch.device("cuda:0"), "bfloat16"
+        final = grow.model_config(cfg, 2, r.vocab_size)
+        planned = monitor.fmt_bytes(memory.configured_peaks(cfg, final, [1, 1], "bfloat16")[1])
+        line = monitor.out_of_memory_line(r, 7, torch.OutOfMemoryError(CUDA_OOM))
+        cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 409600000 bytes. Error code 12")
+        assert "it tried to allocate 390.6MiB;" in monitor.out_of_memory_line(r, 7, cpu)
+    assert line == (f"out of memory at step 7 (stage 2/2) on cuda:0: it tried to allocate 2.00 GiB; the "
+                    f"planned step peak of stage 2 is {planned}, against the 80.00GiB of cuda:0 (3.0MiB free "
+                    f"now): {monitor.LOWER_PEAK}; then start again (no checkpoint was written yet)")
+    assert monitor.is_out_of_memory(cpu) and not monitor.is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 # -- odd or unreadable files where ours should be --------------------------------------------------

@@ -1,4 +1,4 @@
-"""tools/: the loss plot of runs and the digest of a checkpoint's tensors, as the README runs them
+"""tools/: the loss plot of runs and the digest of a checkpoint's tensors, as docs/ runs them
 (in-process, scaled down to tiny runs)."""
 import xml.etree.ElementTree as ET
 

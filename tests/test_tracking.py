@@ -86,9 +86,10 @@ def wandb_env(tmp_path, monkeypatch):
     """W&B with every file under tmp_path, no credentials and no network; its session (which reads
     the environment once) torn down before and after."""
     wandb = pytest.importorskip("wandb", reason="pip install wandb==0.31.0 (requirements-test.txt)")
-    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_PROJECT", "WANDB_ENTITY"):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_PROJECT", "WANDB_ENTITY",
+                "WANDB_DIR"):   # unset: runs go to out_dir/wandb
         monkeypatch.delenv(key, raising=False)
-    for key, sub in (("WANDB_DIR", "wandb-dir"), ("WANDB_CONFIG_DIR", "wandb-config"),
+    for key, sub in (("WANDB_CONFIG_DIR", "wandb-config"),
                      ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_DATA_DIR", "wandb-data")):
         monkeypatch.setenv(key, str(tmp_path / sub))
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
@@ -171,6 +172,23 @@ def test_wandb_without_an_api_key_runs_offline_and_says_so(tmp_path, wandb_env, 
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wandb: offline")]
     assert len(lines) == 1 and "no W&B API key" in lines[0] and "wandb sync " in lines[0]
     (folder,) = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*"))
+    assert [r["_step"] for r in wandb_history(folder)] == [0, 2, 4]
+
+
+@pytest.mark.slow   # wandb.init starts W&B's service process (wandb-core)
+def test_wandb_dir_is_honoured_and_the_line_says_where_the_run_is(tmp_path, monkeypatch, wandb_env, capsys):
+    """W&B's own WANDB_DIR (a cluster's scratch disk) takes the run, not out_dir/wandb; the offline
+    line names the folder it went to."""
+    scratch = tmp_path / "scratch"
+    monkeypatch.setenv("WANDB_DIR", str(scratch))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--wandb_log=True"))
+    (folder,) = glob.glob(str(scratch / "wandb" / "offline-run-*"))
+    assert not glob.glob(str(tmp_path / "out" / "wandb"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wandb: offline")]
+    assert lines == [f"wandb: offline (WANDB_MODE=offline); the run is in {folder}: upload it with "
+                     f"`wandb sync {folder}`"]
+    wandb_env.teardown()   # W&B's service writes the transaction log on after run.finish(); this ends it
     assert [r["_step"] for r in wandb_history(folder)] == [0, 2, 4]
 
 
