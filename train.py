@@ -212,10 +212,10 @@ def build(run):
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
-            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir)
-        else:
-            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from)
-        model = GPT.from_checkpoint(ckpt, path)
+            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, rank0_only=cfg.fsdp)
+        else:   # FSDP: rank 0 alone reads the tensors, and shards them out
+            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from, rank0_only=cfg.fsdp)
+        model = sharding.from_state(run, ckpt) if cfg.fsdp else GPT.from_checkpoint(ckpt, path)
         if run.master:
             verb = "resuming" if run.resuming else "starting"
             print(f"{verb} from {path} (step {ckpt.get('iter_num', 0)})")

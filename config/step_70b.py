@@ -32,5 +32,5 @@ min_lr = 1.5e-5
 warmup_iters = 2000
 stage_warmup_iters = 200
 eval_interval = 1000
-eval_iters = 48                     # a multiple of the world size: under FSDP every rank runs each eval forward
+eval_iters = 48                     # a multiple of the world size: FSDP's ranks run every forward together
 log_interval = 10

@@ -161,8 +161,11 @@ def verify_checkpoint(path):
     return None
 
 
-def load_checkpoint(path):
-    """A checkpoint file, verified; or the newest one of a run folder."""
+def load_checkpoint(path, rank0_only=False):
+    """A checkpoint file, verified; or the newest one of a run folder. rank0_only (FSDP): see
+    _read_on_rank0."""
+    if rank0_only and dist.is_initialized():
+        return _read_on_rank0(lambda: load_checkpoint(path))
     if os.path.isdir(path) and not path.endswith(".pt"):
         files = checkpoint_files(path)
         if not files:
@@ -185,10 +188,13 @@ def load_checkpoint(path):
     return ckpt
 
 
-def resume_checkpoint(out_dir):
+def resume_checkpoint(out_dir, rank0_only=False):
     """The checkpoint a resumed run continues from: the newest of out_dir (claim() has moved aside
     the one after it for --init_from=resume_previous). A damaged newest file is an error that names
-    the fallback, never a silent switch to it. -> (path, checkpoint)."""
+    the fallback, never a silent switch to it. -> (path, checkpoint). rank0_only (FSDP): see
+    _read_on_rank0."""
+    if rank0_only and dist.is_initialized():
+        return _read_on_rank0(lambda: resume_checkpoint(out_dir))
     files = checkpoint_files(out_dir)
     if not files:
         raise UserError(f"no checkpoint in {out_dir} to resume from; train first, or use init_from=scratch")
@@ -199,6 +205,30 @@ def resume_checkpoint(out_dir):
             hint = f"resume from the one before it, {files[1]}, with --init_from=resume_previous"
         raise UserError(f"checkpoint {files[0]} is unusable ({why}); {hint}")
     return files[0], load_checkpoint(files[0])
+
+
+def _read_on_rank0(read):
+    """read() (load_checkpoint or resume_checkpoint) on rank 0 alone: the other ranks get its result
+    with the model's and the optimizer's state as None (FSDP sends each rank its rows of them from
+    rank 0: stepgpt/sharding.py), or rank 0's error, so that no rank holds a whole checkpoint but
+    rank 0."""
+    result, got = None, [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = read()
+        except UserError as e:
+            got[1] = e
+        else:
+            path, ckpt = result if isinstance(result, tuple) else (None, result)
+            small = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
+            got[0] = (path, {**small, "model": None, "optimizer": None}, isinstance(result, tuple))
+    dist.broadcast_object_list(got, src=0)
+    if got[1] is not None:
+        raise got[1]
+    if result is not None:
+        return result
+    path, ckpt, pair = got[0]
+    return (path, ckpt) if pair else ckpt
 
 
 def tensor_digest(state):

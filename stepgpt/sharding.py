@@ -30,7 +30,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPT, LINEARS, FrozenLoRALinear, rope_cache
+from data.load import eval_batches
+from model import GPT, LINEARS, FrozenLoRALinear, GPTConfig, rope_cache
 from stepgpt.errors import UserError
 
 
@@ -38,14 +39,20 @@ def sharded(model):
     return isinstance(model, FSDPModule)
 
 
-def check(cfg, world):
+def check(run):
     """The settings FSDP cannot run with, each refused in one line before any training."""
+    cfg = run.cfg
     if not dist.is_initialized():
         raise UserError("fsdp=True shards the model over torchrun's ranks: start it with torchrun "
                         "--nproc_per_node=N (N >= 2), or drop --fsdp=True")
-    if cfg.eval_iters % world:
-        raise UserError(f"fsdp=True: eval_iters={cfg.eval_iters} must be a multiple of the world size "
-                        f"{world} (each forward gathers every block from all ranks: all ranks run as many)")
+    evals = {"eval_iters": cfg.eval_iters}
+    if cfg.eval_tokens:
+        evals["eval_tokens"] = eval_batches(run.data, cfg.eval_tokens, cfg.batch_size, cfg.block_size)
+    for key, n in evals.items():
+        if n % run.world:
+            raise UserError(f"fsdp=True: {key}={getattr(cfg, key)} makes {n} eval batches, not a "
+                            f"multiple of the world size {run.world} (each forward gathers every block from "
+                            f"all ranks, so all ranks must run as many)")
 
 
 @functools.cache
@@ -133,7 +140,7 @@ def new_model(run, cfg):
     draws replayed in order on the CPU, one whole tensor at a time (so the generator advances
     exactly as on one process), each rank keeping its rows of each parameter's last draw. What the
     constructor does not draw is an RMSNorm weight (ones) or the RoPE tables."""
-    check(run.cfg, run.world)
+    check(run)
     with torch.device("meta"), _Draws() as draws:
         model = GPT(cfg)
     names = {id(p): name for name, p in model.named_parameters()}   # before fully_shard replaces them
@@ -157,10 +164,13 @@ def new_model(run, cfg):
     return model
 
 
-def from_state(run, cfg, state):
-    """A sharded GPT(cfg) holding `state`, a full state dict that rank 0 holds (the other ranks' is
-    not read): built on the meta device, then each tensor broadcast from rank 0 in turn, each rank
-    keeping its rows."""
+def from_state(run, ckpt, state=None):
+    """A sharded GPT of a checkpoint's config (ckpt["model_args"], or a GPTConfig) holding `state` (by
+    default ckpt["model"]), a full state dict that rank 0 holds (the other ranks' is not read): built
+    on the meta device, then each tensor broadcast from rank 0 in turn, each rank keeping its rows."""
+    check(run)
+    cfg = ckpt if isinstance(ckpt, GPTConfig) else GPTConfig.from_dict(ckpt["model_args"])
+    state = ckpt["model"] if state is None else state
     model = shard(run, skeleton(cfg))
     _materialise(run, model)
     set_model_state_dict(model, state if run.master else {},
@@ -173,7 +183,6 @@ def shard_plain(run, model):
     that new_model built is sharded already."""
     if sharded(model):
         return model
-    check(run.cfg, run.world)
     return from_state(run, model.config, model.state_dict())
 
 
@@ -251,19 +260,30 @@ def full_optimizer_state(opt):
 
 
 def load_optimizer(opt, sd):
-    """A full optimizer state dict (every rank read the checkpoint) into the optimizer of a sharded
-    model: each state tensor shaped like its parameter cut to this rank's rows, no communication."""
+    """A full optimizer state dict that rank 0 read (the other ranks' is None) into the optimizer of a
+    sharded model: its layout broadcast, then each state tensor shaped like its parameter broadcast
+    whole in turn, each rank keeping its rows."""
     params = [p for group in opt.param_groups for p in group["params"]]
-
-    def local(v, p):
-        if not (torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == p.shape):
-            return v
-        mine = _local_rows(v, p)[1].to(p.device)
-        return DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-
-    state = {i: {k: local(v, params[i]) for k, v in s.items()} for i, s in sd["state"].items()}
-    opt.load_state_dict({**sd, "state": state})
+    whole = lambda v, p: torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == p.shape  # noqa: E731
+    layout = [None]
+    if dist.get_rank() == 0:   # the state with each whole tensor as ("whole", shape, dtype)
+        layout = [{**sd, "state": {i: {k: ("whole", v.shape, v.dtype) if whole(v, params[i]) else v
+                                       for k, v in s.items()} for i, s in sd["state"].items()}}]
+    dist.broadcast_object_list(layout, src=0)
+    state = {}
+    for i, s in layout[0]["state"].items():
+        p, state[i] = params[i], {}
+        for k, v in s.items():
+            if not (isinstance(v, tuple) and v[0] == "whole"):
+                state[i][k] = v
+                continue
+            full = (sd["state"][i][k].to(p.device) if sd is not None
+                    else torch.empty(v[1], dtype=v[2], device=p.device))
+            dist.broadcast(full, src=0)
+            mine = _local_rows(full, p)[1].clone()
+            state[i][k] = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+    opt.load_state_dict({**layout[0], "state": state})
 
 
 def structure_digest(model):

@@ -60,7 +60,7 @@ def _rank_checks(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     run = SimpleNamespace(device=torch.device("cpu"), world=WORLD, rank=rank, master=rank == 0,
-                          dtype="float32", compiled=False, cfg=SimpleNamespace(eval_iters=2))
+                          dtype="float32", compiled=False, cfg=SimpleNamespace(eval_iters=2, eval_tokens=0))
     found = {}
     # built from scratch on the meta device and materialised shard by shard
     torch.manual_seed(3)
