@@ -110,14 +110,11 @@ class FrozenLoRALinear(nn.Module):
         m.store(w.detach())
         return m
 
-    @torch.no_grad()
     def store(self, w, stochastic=False, generator=None):
         if self.weight_scale is None:
-            self.weight_q.copy_(round_bf16(w, stochastic, generator))
+            self.weight_q.data = round_bf16(w, stochastic, generator)
         else:
-            q, scale = quantize_int8(w, stochastic=stochastic, generator=generator)
-            self.weight_q.copy_(q)
-            self.weight_scale.copy_(scale)
+            self.weight_q.data, self.weight_scale.data = quantize_int8(w, stochastic, generator)
 
     def stored_weight(self):
         """The frozen weight as a float tensor (without the adapter)."""
