@@ -1,11 +1,11 @@
 # STEP at LLaMA-2-70B's width and depth (hidden 8192, 80 layers, 64 heads, FFN 28672, sequence 4096,
 # 32,000-token vocabulary) without grouped-query attention (our attention has as many key/value
-# heads as query heads): 78.0B parameters. For one node of 8 x 80 GB GPUs with FSDP2: the four
-# stages minimise the per-GPU peak of FSDP with fp32 AdamW (plan.py's FSDP rows; vanilla training
-# of this model needs 145 GiB of state per GPU there, STEP at most 39 GiB):
+# heads as query heads): 78.4B parameters, for one node of 8 x 80 GB GPUs with FSDP2 (fsdp = True).
+# Four stages by Eq. 3 in the int8 accounting with fp32 AdamW (FSDP divides that state evenly over
+# the GPUs): planned per GPU at most 41.9 GiB of model state and a 56.0 GiB bf16 step peak, where
+# vanilla training of the same model needs 146 GiB of state per GPU (docs/distributed.md):
 #   python plan.py config/step_70b.py --world 8
-#   torchrun --nproc_per_node=8 train.py config/step_70b.py
-# Data: FineWeb-Edu in the 32,000-token vocabulary (20 tokens per parameter would be 1.56T):
+# Data: FineWeb-Edu in the 32,000-token vocabulary (20 tokens per parameter would be 1.57T):
 #   python data/prepare.py --source=fineweb-edu --max_tokens=400000000000 --vocab_ranks=31999
 out_dir = "out-step-70b"
 data_dir = "data/fineweb-edu"

@@ -441,3 +441,59 @@ def test_kill_minus_9_of_the_whole_job_mid_stage_then_resume_ends_bit_for_bit(do
     assert load_checkpoint(str(out))["iter_num"] in (8, 10)   # mid stage 2 (steps 6-12)
     ok(torchrun(command, out, f"--data_dir={data}", "--init_from=resume"))
     same_tensors(out, tmp / "fsdp", exact=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/distributed.md's other commands: the sharded plans and the CPU measurement
+
+def section_commands(prefix):
+    """The command lines of the FSDP section's ```bash blocks that start with `prefix`."""
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read().split("## Sharded training: FSDP2", 1)[1]
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_the_docs_sharded_plans_run_scaled_down_in_depth(capsys):
+    """Each plan.py command of the section, with 2 layers per stage instead of the config's (the
+    enumeration of 80 layers takes a minute): the per-GPU table, a DDP, ZeRO-1 and FSDP row per stage."""
+    import plan
+    commands = section_commands("python plan.py")
+    assert [c[2] for c in commands] == ["config/vanilla_7b.py", "config/step_7b.py", "config/step_70b.py"]
+    for argv in commands:
+        keys = [a for a in argv[3:] if a.startswith("--") and "=" in a]
+        stages = grow.stage_count(load_config([argv[2], *keys, "--fsdp=True"]))
+        plan.main(argv[2:] + [f"--stage_layers={[2] * stages}"])
+        out = capsys.readouterr().out
+        world = argv[argv.index("--world") + 1]
+        table = out.split(f"per GPU on {world} ranks, GiB", 1)[1].splitlines()[2:]
+        settings = [line.split()[4] for line in table]   # stage, n, +, frozen, setting
+        assert settings == ["DDP", f"ZeRO-1/{world}", f"FSDP/{world}"] * stages, out
+
+
+@pytest.mark.slow
+def test_the_docs_cpu_measurement_of_fsdp_against_ddp_runs_scaled_down(tmp_path):
+    """bench/peak_memory.py --ranks 2 as the section shows it, the model scaled down: each rank's
+    peak per window under DDP and under FSDP, beside the plan."""
+    (command,) = section_commands("python bench/peak_memory.py")
+    data = write_dataset(tmp_path / "data")
+    size = ["n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16", "batch_size=2", "lora_rank=4",
+            f"data_dir={data}"]
+    out = ok([sys.executable, *command[1:], *[a for s in size for a in ("--set", s)]])
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| step2 |")]
+    assert [(r[1], r[2]) for r in rows] == [(s, f"{i} {p}") for s in ("DDP", "FSDP") for i in (1, 2)
+                                            for p in ("stage change", "step")], out
+    assert all(float(r[5].replace(",", "")) > 0 and float(r[6].replace(",", "")) > 0 for r in rows), out
+
+
+def test_the_sharded_state_divides_what_ddp_holds():
+    """memory.sharded_state: FSDP divides weights, gradients and AdamW state by the world size, ZeRO-1
+    the AdamW state only; DDP's is the planner's whole model state (16 B per trainable parameter)."""
+    from stepgpt import memory
+    cfg = replace(CFG, frozen_layers=(0, 1))
+    ddp = memory.sharded_state(cfg, 4, 2, 8, "ddp")
+    assert sum(ddp) == memory.state_bytes(cfg, 4, 2)
+    assert memory.sharded_state(cfg, 4, 2, 8, "fsdp") == tuple(b / 8 for b in ddp)
+    assert memory.sharded_state(cfg, 4, 2, 8, "zero1") == (ddp[0], ddp[1], ddp[2] / 8)
+    whole = memory.step_peak_bytes(cfg, 4, 2, 256)
+    assert memory.step_peak_bytes(cfg, 4, 2, 256, fsdp_world=8) < whole
