@@ -30,8 +30,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import frozen_linear
 from data.load import eval_batches
 from model import GPT, LINEARS, FrozenLoRALinear, GPTConfig, rope_cache
+from stepgpt import kernels
 from stepgpt.errors import UserError
 
 
@@ -179,8 +181,8 @@ def from_state(run, ckpt, state=None):
 
 
 def shard_plain(run, model):
-    """A plain model (read from a checkpoint or a Hugging Face folder on every rank) sharded; a model
-    that new_model built is sharded already."""
+    """A plain model sharded (stage 1 from a Hugging Face folder, which every rank reads whole); a
+    model that new_model or from_state built is sharded already."""
     if sharded(model):
         return model
     return from_state(run, model.config, model.state_dict())
@@ -297,8 +299,6 @@ def wrap(run, model):
     """-> (what the train step calls, what eval calls) under FSDP: the sharded model, each block compiled
     alone (FSDP2's hooks gather and free its rows around the compiled forward). On CUDA each block's
     kernel paths are measured on its gathered weights first, one block at a time."""
-    import frozen_linear
-    from stepgpt import kernels
     tokens, dtype = run.cfg.batch_size * run.cfg.block_size, getattr(torch, run.dtype)
     for block in model.layers:
         if run.device.type == "cuda":
