@@ -3,7 +3,7 @@
 References: nanoGPT's model.py (structure), LLaMA (RMSNorm pre-norm, RoPE, SwiGLU, no biases),
 LoRA (Hu et al. 2022) and ReLoRA (merge-and-reinit) for the adapters, STEP (Yano et al., NAACL
 2025) for which layers are frozen. A layer is either fully trainable (seven nn.Linear) or frozen:
-its seven linears are FrozenLoRALinear (int8 weight + row scale as buffers, LoRA A/B trainable)
+its seven linears are FrozenLoRALinear (int8 weight + row scale, frozen; LoRA A/B trainable)
 and its norms stop learning. `GPTConfig.frozen_layers` says which, so a checkpoint's config alone
 rebuilds the exact module tree.
 """
@@ -95,9 +95,11 @@ class FrozenLoRALinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.lora_scale = alpha / rank if rank else 0.0   # rank 0: the paper's no-adapter ablation
-        self.register_buffer("weight_q", torch.zeros(out_features, in_features,
-                                                     dtype=torch.int8 if dtype == "int8" else torch.bfloat16))
-        self.register_buffer("weight_scale", torch.ones(out_features) if dtype == "int8" else None)
+        # the store is frozen parameters (requires_grad=False), not buffers: FSDP shards parameters only
+        int8 = dtype == "int8"
+        store = torch.zeros(out_features, in_features, dtype=torch.int8 if int8 else torch.bfloat16)
+        self.weight_q = nn.Parameter(store, requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features), requires_grad=False) if int8 else None
         self.lora_a = nn.Parameter(torch.empty(rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, rank))
         self.reset_adapter(generator)
@@ -110,9 +112,9 @@ class FrozenLoRALinear(nn.Module):
 
     def store(self, w, stochastic=False, generator=None):
         if self.weight_scale is None:
-            self.weight_q = round_bf16(w, stochastic, generator)
+            self.weight_q.data = round_bf16(w, stochastic, generator)
         else:
-            self.weight_q, self.weight_scale = quantize_int8(w, stochastic=stochastic, generator=generator)
+            self.weight_q.data, self.weight_scale.data = quantize_int8(w, stochastic, generator)
 
     def stored_weight(self):
         """The frozen weight as a float tensor (without the adapter)."""
@@ -374,10 +376,10 @@ class GPT(nn.Module):
     # -- accounting ----------------------------------------------------------------------------
 
     def num_params(self):
-        """(trainable, frozen) element counts; frozen counts int8 weights and frozen norms."""
+        """(trainable, frozen) element counts; frozen counts int8 weights and frozen norms, not row scales."""
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
-        frozen += sum(b.numel() for n, b in self.named_buffers() if n.endswith("weight_q"))
+        frozen = sum(p.numel() for n, p in self.named_parameters()
+                     if not p.requires_grad and not n.endswith("weight_scale"))
         return trainable, frozen
 
     def estimate_flops(self):

@@ -2,10 +2,12 @@
 ours (int8 store, 8-bit AdamW, ZeRO-1), each stage's model state and the peak of a training step
 (the memory model: grow.py's Eq. 1-3 and stepgpt/memory.py); or, with --plot, a picture of each
 config's stages as it is set: which layers train and which sit frozen, and each stage's model state
-and step peak beside vanilla's.
+and step peak beside vanilla's. With --fsdp (or a run that sets fsdp or zero1), also what each of
+--world GPUs holds under DDP, ZeRO-1 and FSDP, stage by stage; train.py's --key=value overrides apply.
 
   python plan.py config/step_1b.py [--stages K] [--rank r] [--budget 6e9] [--world 8] [--layers_only]
   python plan.py config/step_small.py config/step_350m.py --plot docs/stages.png
+  python plan.py config/step_7b.py --world 2 --fsdp --gpu_gb 24 [--batch_size=1 ...: train.py's keys]
 """
 import argparse
 import os
@@ -14,13 +16,13 @@ import grow
 from data.load import padded_vocab, planned_vocab
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
-from stepgpt.memory import (GPU_BYTES, configured_peaks, planned_optimizer, settings, smallest_plan,
-                            state_bytes, step_peak_bytes)
+from stepgpt.memory import (GPU_BYTES, configured_peaks, planned_optimizer, settings, sharded_state,
+                            smallest_plan, state_bytes, step_peak_bytes)
 
 
 def final_model(args, config):
     """-> (the run config, the final model's GPTConfig, its depth, where its vocabulary comes from)."""
-    tcfg = load_config([config] + ([f"--lora_rank={args.rank}"] if args.rank else []))
+    tcfg = load_config([config] + ([f"--lora_rank={args.rank}"] if args.rank else []) + args.keys)
     target = grow.final_depth(tcfg)
     vocab, source = ((padded_vocab(args.vocab), f"--vocab {args.vocab}") if args.vocab
                      else planned_vocab(tcfg.data_dir, tcfg.vocab_size))
@@ -91,6 +93,33 @@ def plan_table(args, config):
         print(f"\nbudget {args.budget / gib:.2f} GiB of model state: the cheapest plan that fits is K = {k} "
               f"with {name}, layers {layers}, {peak / gib:.2f} GiB (train with "
               f"--stage_layers={layers}{keys})")
+    if tcfg.fsdp or tcfg.zero1:
+        sharded_table(tcfg, cfg, grow.stage_plan(tcfg, vocab, tokens)[0], args.world, args.gpu_gb)
+
+
+def sharded_table(tcfg, cfg, layers, world, gpu_gb):
+    """What each of `world` GPUs holds in each stage of the run as configured (its stages, micro-batch
+    and activation keys; bf16 autocast) under DDP, ZeRO-1 and FSDP, all three with fp32 AdamW state
+    (the one optimizer ZeRO-1 and FSDP shard here)."""
+    gib, budget = 2**30, 0.9 * gpu_gb * 1e9
+    act = dict(checkpointing=tcfg.activation_checkpointing, loss_chunk=tcfg.loss_chunk, dtype="bfloat16")
+    print(f"\nper GPU on {world} ranks, GiB (AdamW fp32 state, bf16 autocast, micro-batch {tcfg.batch_size} "
+          f"x {tcfg.block_size}, activation_checkpointing={tcfg.activation_checkpointing}, loss_chunk="
+          f"{tcfg.loss_chunk}); a {gpu_gb:g} GB GPU keeps 10 % free below {budget / gib:.1f} GiB")
+    print(f"{'stage':<6} {'layers':<10} {'setting':<10} {'weights':>8} {'grads':>8} {'AdamW':>8} "
+          f"{'state':>8} {'step peak':>10}  fits")
+    frozen = 0
+    for i, n in enumerate(layers):
+        emb = tcfg.train_embeddings or frozen == 0
+        for mode in ("ddp", "zero1", "fsdp"):
+            parts = sharded_state(cfg, n, frozen, world, mode, emb)
+            shard = {"zero1": dict(zero_world=world), "fsdp": dict(fsdp_world=world)}.get(mode, {})
+            peak = step_peak_bytes(cfg, n, frozen, tcfg.batch_size * tcfg.block_size, emb, **act, **shard)
+            name = {"ddp": "DDP", "zero1": f"ZeRO-1/{world}", "fsdp": f"FSDP/{world}"}[mode]
+            print(f"{i + 1:<6} {f'{n} + {frozen}':<10} {name:<10} "
+                  + " ".join(f"{b / gib:8.2f}" for b in (*parts, sum(parts)))
+                  + f" {peak / gib:10.2f}  {'yes' if peak <= budget else 'no'}")
+        frozen += n
 
 
 def stage_picture(tcfg, cfg, target):
@@ -188,7 +217,12 @@ def main(argv):
     p.add_argument("--layers_only", action="store_true", help="count the layers only, as the paper's Eq. 2-3")
     p.add_argument("--plot", default="", metavar="FILE",
                    help="draw each config's stages as set (.png, .svg, .pdf; needs matplotlib)")
-    args = p.parse_args(argv)
+    p.add_argument("--fsdp", action="store_true",
+                   help="also the per-GPU table of DDP, ZeRO-1 and FSDP on --world GPUs (also printed for "
+                        "a run that sets fsdp or zero1)")
+    p.add_argument("--gpu_gb", type=float, default=GPU_BYTES / 1e9, help="GPU memory in GB, for that table")
+    args, keys = p.parse_known_args(argv)
+    args.keys = keys + ["--fsdp=True"] * args.fsdp   # the rest: train.py's --key=value overrides
     if args.plot:
         return plot(args)
     for i, config in enumerate(args.config):

@@ -30,7 +30,7 @@ import grow
 from data.load import eval_batches, load_data, model_vocab, sample_batch, tokenizer_of
 from model import GPT
 from sample import sample_text
-from stepgpt import checkpoint, kernels, monitor, optim, runtime
+from stepgpt import checkpoint, kernels, monitor, optim, runtime, sharding
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
 from stepgpt.hf import load_hf
@@ -202,8 +202,8 @@ def build(run):
     ckpt, it, best_val = None, 0, float("inf")
     first = grow.model_config(cfg, run.stage_layers[0], run.vocab_size)
     if cfg.init_from == "scratch":
-        torch.manual_seed(cfg.seed)
-        model = GPT(first)
+        torch.manual_seed(cfg.seed)   # FSDP: built on the meta device, materialised shard by shard
+        model = sharding.new_model(run, first) if cfg.fsdp else GPT(first)
     elif cfg.init_from.startswith("hf:"):   # stage 1 from a Hugging Face LLaMA folder (export_hf.py)
         torch.manual_seed(cfg.seed)
         layers_key = "stage_layers[0]" if len(run.stage_layers) > 1 else "n_layer"
@@ -212,10 +212,10 @@ def build(run):
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
-            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir)
-        else:
-            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from)
-        model = GPT.from_checkpoint(ckpt, path)
+            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, rank0_only=cfg.fsdp)
+        else:   # FSDP: rank 0 alone reads the tensors, and shards them out
+            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from, rank0_only=cfg.fsdp)
+        model = sharding.from_state(run, ckpt) if cfg.fsdp else GPT.from_checkpoint(ckpt, path)
         if run.master:
             verb = "resuming" if run.resuming else "starting"
             print(f"{verb} from {path} (step {ckpt.get('iter_num', 0)})")
@@ -233,11 +233,10 @@ def build(run):
             run.depth = [d + model.config.n_layer - run.depth[0] for d in run.depth]
     if model.config.vocab_size != run.vocab_size:
         raise UserError(f"model vocab {model.config.vocab_size} does not match the data's {run.vocab_size}")
-    model.to(run.device)
+    model = sharding.shard_plain(run, model) if cfg.fsdp else model.to(run.device)
     opt = configure_optimizer(model, cfg, run.device)
     if run.resuming:
-        opt.load_state_dict(ckpt["optimizer"])
-        checkpoint.restore(ckpt, run.device)
+        checkpoint.restore(ckpt, run.device, model, opt)
     run.log = monitor.Logger(cfg, run.master, keep_until=it if run.resuming else -1,
                              wandb_id=ckpt.get("wandb_id") if run.resuming else None)
     return model, opt, it, best_val
@@ -247,12 +246,17 @@ def enter_stage(run, raw, opt, stage, it):
     """A stage boundary: STEP's transition (grow.next_stage: merge, grow, freeze), an optimizer over
     the new trainable set that keeps the state of what carries over (grow.carried_parameters), a
     check that every rank made the same transition, and the model wrapped anew (compile, DDP) for
-    the new parameter set. -> (optimizer, what the train step calls, what eval calls)."""
+    the new parameter set. -> (the model, optimizer, what the train step calls, what eval calls)."""
     cfg = run.cfg
     n_new = run.depth[stage] - raw.config.n_layer          # 0: the stage only freezes (ReLoRA)
-    grow.next_stage(raw, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
-                    train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
-    raw.to(run.device)
+    def transition(model):   # STEP's: merge, grow, freeze
+        grow.next_stage(model, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
+                        train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
+    if cfg.fsdp:   # on a copy gathered to rank 0's CPU; the grown model is then sharded anew
+        raw = sharding.next_stage(run, raw, opt, transition)
+    else:
+        transition(raw)
+        raw.to(run.device)
     merged, (tr, fr) = raw.last_merge, raw.num_params()
     run.log.print(f"== stage {stage + 1}/{len(run.depth)}: grew {n_new} layers ({cfg.grow_init}, "
                   f"{cfg.grow_where}) to {raw.config.n_layer}; frozen layers "
@@ -264,7 +268,7 @@ def enter_stage(run, raw, opt, stage, it):
     model, evaluator = wrap(run, raw)
     if merged is not None:
         run.log.record(step=it, stage=stage + 1, **monitor.merge_record(merged))
-    return opt, model, evaluator
+    return raw, opt, model, evaluator
 
 
 @torch.no_grad()
@@ -302,9 +306,9 @@ def train_step(run, model, raw, opt, it):
     for micro in range(accum):
         k = run.rank * accum + micro   # this micro-step's place among all ranks'
         x, y = get_batch(run, "train", batch_seed(cfg.seed, "train", it, k), it * run.world * accum + k)
-        # DDP all-reduces the gradients in the last micro-step's backward only; no_sync() is a
-        # one-shot context, so it must hold the forward and the backward of one micro-step together
-        with model.no_sync() if run.world > 1 and micro < accum - 1 else nullcontext():
+        # DDP all-reduces the gradients in the last micro-step's backward only (no_sync() is a one-shot
+        # context: it holds one micro-step's forward and backward); FSDP reduce-scatters every backward
+        with model.no_sync() if isinstance(model, DDP) and micro < accum - 1 else nullcontext():
             with run.autocast:   # [1]: the (B, T, V) logits must not outlive the forward
                 loss = model(x, y, checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk)[1]
             (loss / accum).backward()
@@ -323,6 +327,8 @@ def wrap(run, raw):
     for the step only (each rank evaluates its share alone). Both must see each new parameter set.
     DDP does not re-broadcast buffers: the frozen int8 weights are identical on every rank by
     construction, and runtime.check_replicas verifies it."""
+    if run.cfg.fsdp:   # sharded already; each block measured gathered, compiled alone (stepgpt/sharding.py)
+        return sharding.wrap(run, raw)
     # the frozen linears' kernel paths are measured before torch.compile fixes them in its graph
     kernels.measure_layers(raw, run.cfg.batch_size * run.cfg.block_size, getattr(torch, run.dtype),
                            (frozen_linear.forward, frozen_linear.backward))
@@ -354,7 +360,7 @@ def train(cfg):
                 stage = run.stage_of(it)
                 # the stage boundary: every layer of the earlier stages must be frozen
                 if stage > 0 and len(raw.config.frozen_layers) < run.depth[stage - 1]:
-                    opt, model, evaluator = enter_stage(run, raw, opt, stage, it)
+                    raw, opt, model, evaluator = enter_stage(run, raw, opt, stage, it)
                 elif it in run.restarts and it != resumed_at and raw.config.frozen_layers:
                     optim.relora_restart(raw, opt, cfg, it)
                     run.log.print(f"== ReLoRA restart at step {it}: {monitor.merge_line(raw.last_merge)}; "
@@ -398,12 +404,13 @@ def train(cfg):
         peak = f", peak cuda {monitor.fmt_bytes(torch.cuda.max_memory_allocated(run.device))}" if cuda else ""
         run.log.print(f"done: {run.total_iters} iters, {run.total_iters * run.tokens_per_iter:,} tokens in "
                       f"{(time.time() - meter.t_start) / 60:.1f} min, best val {best_val:.4f}{peak}")
-        if run.master and cfg.sample_tokens:
+        if cfg.sample_tokens and (run.master or cfg.fsdp):   # FSDP: each forward takes every rank
             text = sample_text(raw, run.meta, prompt="\n", max_new_tokens=cfg.sample_tokens, temperature=0.8,
                                top_k=200, seed=cfg.seed, data_dir=cfg.data_dir)
             path = os.path.join(cfg.out_dir, "sample.txt")
-            with open(path, "w") as f:
-                f.write(text)
+            if run.master:
+                with open(path, "w") as f:
+                    f.write(text)
             run.log.print(f"sample written to {path}:\n{text[:300]}")
 
 

@@ -7,6 +7,7 @@ and the chunked loss.
     python bench/peak_memory.py --meta config/step_350m.py,config/step_1b.py   # paper scale, seconds
     python bench/peak_memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
         --set batch_size=1
+    python bench/peak_memory.py --ranks 2 --only step2          # FSDP against DDP, per rank, ~2 min
 
 Each run replays two training steps per stage (AdamW creates its moments in the first step's
 update, after that step's backward has peaked; from the second step on they are live through the
@@ -17,6 +18,11 @@ same counter for a whole run). The prediction is the planner's memory.step_peak_
 without gradients + the activations autograd saves (fp32), or the full state at the optimizer step
 with its temporaries, whichever is larger (on CUDA bf16 autocast saves other tensors, so there the
 prediction is an fp32 reference, not a model of what autocast keeps).
+
+--ranks 2 replays the run on 2 gloo ranks (CPU), once under DDP and once under FSDP (fsdp=True), and
+gives each rank's peak per window beside the planner's per-rank prediction (memory.step_peak_bytes,
+with fsdp_world for FSDP; DDP's gradient buckets, a second copy of the gradients, are not planned).
+The allocation timeline there comes from the profiler's events (cpu_allocation_timeline).
 
 --meta builds each stage's model of a big config on the meta device (shapes and dtypes, no memory):
 its parameters and buffers as the module holds them, a gradient per trainable parameter and the
@@ -70,6 +76,22 @@ def cpu_memory_timeline(fn):
     return out
 
 
+def cpu_allocation_timeline(fn):
+    """cpu_memory_timeline without record_shapes, whose weak references stop FSDP2's to_empty from
+    swapping a module's tensors: the profiler's raw record of every CPU allocation and free.
+    -> [(time.time_ns(), bytes live)]."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    moves = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live, out = 0, [(0, 0)]
+    for t, size in moves:
+        live += size
+        out.append((t, live))
+    return out
+
+
 def measure_cpu_memory(fn):
     """-> (peak bytes, bytes still allocated when fn returns) of fn()'s CPU tensor allocations."""
     timeline = cpu_memory_timeline(fn)
@@ -85,8 +107,9 @@ def run_args(config, name, extra=()):
             "--stage_tokens=[]"]
 
 
-def measure(args, device="cpu"):
-    """Replay the run `args` (train.py argv): two steps per stage, stage changes between.
+def measure(args, device="cpu", timeline=cpu_memory_timeline):
+    """Replay the run `args` (train.py argv): two steps per stage, stage changes between (under
+    torchrun's variables, on its ranks: DDP, or FSDP with fsdp=True).
     -> [dict(phase, stage, n_trainable, n_frozen, tokens, peak)] with phase 'step' (the second
     step of a stage) or 'stage change' (the growth and the new optimizer, first step included).
     device "cuda": the peaks are torch.cuda.max_memory_allocated per window (eager, bf16 autocast)."""
@@ -108,13 +131,14 @@ def measure(args, device="cpu"):
         def replay():
             run = train.setup(cfg)
             model, opt, it, _ = train.build(run)
+            stepped, _ = train.wrap(run, model)   # the DDP wrapper on 2 ranks (compile is off)
             for stage in range(len(run.depth)):
                 mark("stage change", stage, time.time_ns())
                 if stage:
-                    opt, _, _ = train.enter_stage(run, model, opt, stage, it)
-                train.train_step(run, model, model, opt, it)
+                    model, opt, stepped, _ = train.enter_stage(run, model, opt, stage, it)
+                train.train_step(run, stepped, model, opt, it)
                 mark("step", stage, time.time_ns())
-                train.train_step(run, model, model, opt, it + 1)
+                train.train_step(run, stepped, model, opt, it + 1)
                 it += 2
                 n_frozen = len(model.config.frozen_layers)
                 shapes.append((model.config.n_layer - n_frozen, n_frozen))
@@ -123,7 +147,7 @@ def measure(args, device="cpu"):
         quiet = open(os.devnull, "w")
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            timeline = cpu_memory_timeline(replay) if device == "cpu" else replay()
+            timeline = timeline(replay) if device == "cpu" else replay()
         finally:
             sys.stdout = stdout
             quiet.close()
@@ -197,6 +221,53 @@ def predict(cfg, row, device):
         optimizer=cfg.optimizer, dtype="bfloat16" if device == "cuda" else "float32")
 
 
+def _rank(rank, world, port, args, out):
+    """One rank of ranks_table's replay (torch.multiprocessing.spawn)."""
+    import json
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    rows = measure(args, timeline=cpu_allocation_timeline)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
+
+
+def ranks_table(config, runs, extra, world):
+    """The run `config` (each of `runs`) on `world` gloo ranks, under DDP and under FSDP: each rank's
+    measured peak per window beside the planned per-rank step peak."""
+    import json
+    import socket
+    mib = lambda b: f"{b / 2**20:,.1f}"   # noqa: E731
+    print("| run | sharding | stage | layers (trainable + frozen) | planned peak per rank | "
+          + " | ".join(f"rank {r} measured" for r in range(world)) + " | measured - planned |")
+    print("|---" * (6 + world) + "|")
+    for name in runs:
+        for sharding, keys in (("DDP", []), ("FSDP", ["--fsdp=True"])):
+            args = [config, *run_args(config, name, extra), f"--gradient_accumulation_steps={world}", *extra,
+                    *keys]
+            cfg = load_config(args)
+            cfg = replace(cfg, vocab_size=planned_vocab(cfg.data_dir, cfg.vocab_size)[0])
+            with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+                s.close()
+                torch.multiprocessing.spawn(_rank, args=(world, port, args, os.path.join(tmp, "rows")),
+                                            nprocs=world)
+                ranks = [json.load(open(os.path.join(tmp, f"rows.{r}"))) for r in range(world)]
+            for i, row in enumerate(ranks[0]):
+                peaks = [rows[i]["peak"] for rows in ranks]
+                planned = None
+                if row["phase"] == "step":
+                    mc = grow.model_config(cfg, row["n_trainable"] + row["n_frozen"], cfg.vocab_size)
+                    planned = memory.step_peak_bytes(
+                        mc, row["n_trainable"], row["n_frozen"], row["tokens"],
+                        cfg.train_embeddings or row["n_frozen"] == 0, cfg.activation_checkpointing,
+                        cfg.loss_chunk, fsdp_world=world if cfg.fsdp else 1)
+                err = f"{(max(peaks) - planned) / planned:+.1%}" if planned else "-"
+                print(f"| {name} | {sharding} | {row['stage'] + 1} {row['phase']} | {row['n_trainable']} + "
+                      f"{row['n_frozen']} | {mib(planned) if planned else '-'} | "
+                      + " | ".join(mib(p) for p in peaks) + f" | {err} |", flush=True)
+
+
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.path.join("config", "step_small.py"),
@@ -207,6 +278,8 @@ def main(argv):
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {list(MODES)}")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a train.py override for every run, e.g. --set batch_size=4 (repeatable)")
+    p.add_argument("--ranks", type=int, default=0,
+                   help="N: on N gloo ranks (CPU), DDP against FSDP, each rank's peak (plain mode only)")
     p.add_argument("--meta", default="", metavar="CONFIGS",
                    help="comma-separated config files: their model state per stage on the meta device "
                         "instead")
@@ -218,6 +291,8 @@ def main(argv):
         if set(name) - set(known):
             raise UserError(f"unknown {sorted(set(name) - set(known))}: use some of {list(known)}")
     extra = [f"--{s}" for s in a.set]
+    if a.ranks:
+        return ranks_table(a.config, runs, extra, a.ranks)
     mib = lambda b: f"{b / 2**20:,.1f}"   # noqa: E731
     print("| run | mode | stage | layers (trainable + frozen) | planned state | planned peak | measured peak "
           "| measured - planned | run peak vs vanilla |")

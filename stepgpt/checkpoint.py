@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from model import GPTConfig
-from stepgpt import kernels, optim
+from stepgpt import kernels, optim, sharding
 from stepgpt.errors import UserError
 
 # keys a run may change when it resumes without changing what it computes
 RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
-                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "sync_check_every",
-                "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log", "wandb_project",
-                "wandb_run_name"}
+                "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "fsdp",
+                "sync_check_every", "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log",
+                "wandb_project", "wandb_run_name"}
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
 # what a prepared folder's meta.json says of its data that a resume needs unchanged
@@ -161,8 +161,11 @@ def verify_checkpoint(path):
     return None
 
 
-def load_checkpoint(path):
-    """A checkpoint file, verified; or the newest one of a run folder."""
+def load_checkpoint(path, rank0_only=False):
+    """A checkpoint file, verified; or the newest one of a run folder. rank0_only (FSDP): see
+    _read_on_rank0."""
+    if rank0_only and dist.is_initialized():
+        return _read_on_rank0(lambda: load_checkpoint(path))
     if os.path.isdir(path) and not path.endswith(".pt"):
         files = checkpoint_files(path)
         if not files:
@@ -185,10 +188,13 @@ def load_checkpoint(path):
     return ckpt
 
 
-def resume_checkpoint(out_dir):
+def resume_checkpoint(out_dir, rank0_only=False):
     """The checkpoint a resumed run continues from: the newest of out_dir (claim() has moved aside
     the one after it for --init_from=resume_previous). A damaged newest file is an error that names
-    the fallback, never a silent switch to it. -> (path, checkpoint)."""
+    the fallback, never a silent switch to it. -> (path, checkpoint). rank0_only (FSDP): see
+    _read_on_rank0."""
+    if rank0_only and dist.is_initialized():
+        return _read_on_rank0(lambda: resume_checkpoint(out_dir))
     files = checkpoint_files(out_dir)
     if not files:
         raise UserError(f"no checkpoint in {out_dir} to resume from; train first, or use init_from=scratch")
@@ -199,6 +205,30 @@ def resume_checkpoint(out_dir):
             hint = f"resume from the one before it, {files[1]}, with --init_from=resume_previous"
         raise UserError(f"checkpoint {files[0]} is unusable ({why}); {hint}")
     return files[0], load_checkpoint(files[0])
+
+
+def _read_on_rank0(read):
+    """read() (load_checkpoint or resume_checkpoint) on rank 0 alone: the other ranks get its result
+    with the model's and the optimizer's state as None (FSDP sends each rank its rows of them from
+    rank 0: stepgpt/sharding.py), or rank 0's error, so that no rank holds a whole checkpoint but
+    rank 0."""
+    result, got = None, [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = read()
+        except UserError as e:
+            got[1] = e
+        else:
+            path, ckpt = result if isinstance(result, tuple) else (None, result)
+            small = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
+            got[0] = (path, {**small, "model": None, "optimizer": None}, isinstance(result, tuple))
+    dist.broadcast_object_list(got, src=0)
+    if got[1] is not None:
+        raise got[1]
+    if result is not None:
+        return result
+    path, ckpt, pair = got[0]
+    return (path, ckpt) if pair else ckpt
 
 
 def tensor_digest(state):
@@ -243,13 +273,18 @@ def claim(out_dir, init_from):
 
 
 def save(run, model, opt, it, best_val, evaluated):
-    """Every rank calls it (ZeRO-1 gathers the optimizer state); rank 0 writes out_dir/ckpt-<it>.pt.
-    `evaluated`: the checkpoint holds step `it`'s stage work and eval (written at the eval), or is
-    the state after step it-1 (written on a signal), which a resume then evaluates first."""
-    optimizer = optim.state_dict(opt)
+    """Every rank calls it (ZeRO-1 gathers the optimizer state, FSDP the model's and the optimizer's
+    shards, whole, to rank 0's CPU: one format for 1 process, DDP and FSDP); rank 0 writes
+    out_dir/ckpt-<it>.pt. `evaluated`: the checkpoint holds step `it`'s stage work and eval (written
+    at the eval), or is the state after step it-1 (written on a signal), which a resume then
+    evaluates first."""
+    if sharding.sharded(model):
+        weights, optimizer = sharding.full_state(model), sharding.full_optimizer_state(opt)
+    else:
+        weights, optimizer = model.state_dict(), optim.state_dict(opt)
     if run.master:
         save_checkpoint(checkpoint_path(run.cfg.out_dir, it), {
-            "model": model.state_dict(), "model_args": asdict(model.config), "optimizer": optimizer,
+            "model": weights, "model_args": asdict(model.config), "optimizer": optimizer,
             "iter_num": it, "best_val_loss": best_val, "evaluated": evaluated, "config": asdict(run.cfg),
             "meta": run.meta, "kernels": kernels.state(), "wandb_id": run.log.wandb_id,
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
@@ -297,9 +332,14 @@ def check_resume(path, ckpt, cfg, meta, total_iters):
     return [k for k, v in ours.items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
 
 
-def restore(ckpt, device):
-    """What a resumed run takes back besides the model and optimizer: the RNG states, and the
-    kernels' measured paths and tuned configs (so it computes the same way)."""
+def restore(ckpt, device, model, opt):
+    """What a resumed run takes back besides the model: the optimizer state (under FSDP each rank
+    keeps its rows of it), the RNG states, and the kernels' measured paths and tuned configs (so it
+    computes the same way)."""
+    if sharding.sharded(model):
+        sharding.load_optimizer(opt, ckpt["optimizer"])
+    else:
+        opt.load_state_dict(ckpt["optimizer"])
     kernels.load_state(ckpt.get("kernels", {}))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:

@@ -76,6 +76,8 @@ class TrainConfig(GPTConfig):
     compile_cpu: bool = False           # also on CPU (needs a C++ compiler): 12-18 % faster steps at
                                         # step_small, after ~40 s of compiling at each stage
     zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
+    fsdp: bool = False                  # shard weights, gradients and AdamW state over the ranks (FSDP2;
+                                        # torchrun), the frozen int8 store included: docs/distributed.md
     activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
     loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
                                         # the backward, so the full logits and their gradient never exist
@@ -116,6 +118,12 @@ class TrainConfig(GPTConfig):
             raise UserError("optimizer=adamw8bit: its moments are 8-bit blocks, so ZeRO-1 cannot shard them "
                             "and relora_prune cannot zero single entries; use zero1=False and "
                             "relora_prune=1, or optimizer=adamw")
+        if self.fsdp and self.zero1:
+            raise UserError("fsdp=True shards the AdamW state already (with the weights and gradients); "
+                            "zero1=True is DDP's optimizer sharding: use one of them")
+        if self.fsdp and (self.optimizer != "adamw" or self.relora_prune < 1):
+            raise UserError(f"fsdp=True runs optimizer=adamw with relora_prune=1 (optimizer="
+                            f"{self.optimizer!r} and relora_prune={self.relora_prune} need whole tensors)")
         if self.optimizer == "galore" and self.zero1:
             raise UserError("optimizer=galore does not shard its state: use zero1=False")
         if self.min_lr > self.learning_rate:

@@ -93,8 +93,34 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     return int(tokens * per_token)
 
 
+def sharded_state(cfg, n_trainable, n_frozen, world, mode, train_embeddings=True):
+    """-> (weights, gradients, AdamW state) bytes per rank, in our int8 accounting with fp32 AdamW
+    (4 + 4 + 8 B per trainable parameter; the frozen store as stored, no gradient, no state) on
+    `world` ranks: mode "ddp" (every rank holds all of it), "zero1" (the AdamW state divided over
+    the ranks) or "fsdp" (all three divided: FSDP2 shards every tensor by rows, the int8 store too;
+    a shard is within a row of 1/world)."""
+    trainable = sum(grow.trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings))
+    weights = grow.state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, per_trainable=4)
+    parts = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "fsdp": (world, world, world)}[mode]
+    return tuple(b / n for b, n in zip((weights, 4 * trainable, 8 * trainable), parts))
+
+
+def fsdp_gathered_bytes(cfg, n_trainable, n_frozen, dtype="float32"):
+    """What FSDP2 holds whole on a rank besides its shards, at the start of the backward: the root
+    (embeddings, final norm, head, fp32: gathered for the forward and kept through the backward),
+    the block being computed and the next one, prefetched (a trainable block in bf16 under bf16
+    autocast, its MixedPrecisionPolicy; a frozen block as stored), and one block's whole fp32
+    gradient before its reduce-scatter."""
+    weights, rows, norms, adapters = grow.layer_counts(cfg)
+    store = 2 * weights if cfg.frozen_dtype == "bf16" else weights + 4 * rows
+    blocks = [(2 if dtype == "bfloat16" else 4) * (weights + norms)] * bool(n_trainable)
+    blocks += [store + 4 * (norms + adapters)] * bool(n_frozen)
+    grad = 4 * (weights + norms if n_trainable else adapters)
+    return 4 * grow.outside_params(cfg) + 2 * max(blocks) + grad
+
+
 def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, checkpointing=False,
-                    loss_chunk=0, optimizer="adamw", zero_world=1, dtype="float32"):
+                    loss_chunk=0, optimizer="adamw", zero_world=1, dtype="float32", fsdp_world=1):
     """The peak of one training step, the larger of: the model state without the gradients (set to
     None after every step; they appear as the backward runs and its saved tensors go) plus the
     activations at the start of the backward; the full state at the optimizer step plus the
@@ -105,12 +131,21 @@ def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, c
     updates in place, so there this side over-predicts). With zero_world > 1: per rank under ZeRO-1
     (each rank steps its share; the gradients are whole on every rank). dtype "bfloat16" (bf16
     autocast): bf16 activations (activation_bytes), and autocast's bf16 copies of the trainable
-    linears' weights and of the head's, which the backward holds (2 B each)."""
+    linears' weights and of the head's, which the backward holds (2 B each). With fsdp_world > 1: per
+    rank under FSDP (AdamW): the sharded state (sharded_state) plus what FSDP gathers
+    (fsdp_gathered_bytes); under bf16 autocast only the head, which FSDP gathers in fp32, gets a
+    bf16 copy."""
+    act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk, dtype)
+    if fsdp_world > 1:
+        weights, grads, adam = sharded_state(cfg, n_trainable, n_frozen, fsdp_world, "fsdp", train_embeddings)
+        act += fsdp_gathered_bytes(cfg, n_trainable, n_frozen, dtype)
+        act += 2 * cfg.vocab_size * cfg.n_embd if dtype == "bfloat16" else 0
+        state = weights + grads + adam
+        return int(max(state - grads + act, state + grads))   # AdamW's foreach temporaries: its shard's
     state = state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, optimizer=optimizer,
                         zero_world=zero_world)
     sizes = grow.trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings)
     grads = 4 * sum(sizes)
-    act = activation_bytes(cfg, tokens, n_trainable, n_frozen, checkpointing, loss_chunk, dtype)
     if dtype == "bfloat16":
         act += 2 * (n_trainable * grow.layer_counts(cfg)[0] + cfg.vocab_size * cfg.n_embd)
     temp = 5 * 4 * max(sizes) if optimizer == "adamw8bit" else grads / zero_world

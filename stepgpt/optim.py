@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from stepgpt import sharding
 from stepgpt.errors import UserError
 
 
@@ -87,7 +88,10 @@ def relora_restart(model, opt, cfg, it):
     """ReLoRA inside a stage: merge the adapters into the frozen weights (the merge's sums in
     model.last_merge), restart them and their optimizer state."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-    model.merge_adapters(cfg.merge_rounding, g)
+    if sharding.sharded(model):   # on rank 0's gathered copy, loaded back into the shards
+        sharding.merge_in_place(model, lambda plain: plain.merge_adapters(cfg.merge_rounding, g))
+    else:
+        model.merge_adapters(cfg.merge_rounding, g)
     reset_adapter_state(model, opt, cfg.relora_prune)
 
 

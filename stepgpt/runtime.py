@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from stepgpt import sharding
 from stepgpt.checkpoint import tensor_digest
 from stepgpt.errors import UserError
 
@@ -24,15 +25,19 @@ def precision(cfg, device):
 
 
 def check_replicas(run, model, when):
-    """All ranks must hold bit-identical weights (DDP does not re-broadcast the int8 buffers:
-    broadcast_buffers=False). A digest of every parameter and buffer, compared across ranks."""
+    """All ranks must hold bit-identical weights (DDP does not re-broadcast the frozen int8 store, which
+    no gradient touches). A digest of every parameter and buffer, compared across ranks. Under FSDP
+    no tensor has replicas (each row lives on one rank): the ranks must hold the same model, its
+    tree, shapes and config (sharding.structure_digest)."""
     if run.world == 1:
         return
     digests = [None] * run.world
-    dist.all_gather_object(digests, tensor_digest(model.state_dict()))
+    mine = sharding.structure_digest(model) if sharding.sharded(model) else tensor_digest(model.state_dict())
+    dist.all_gather_object(digests, mine)
     if len(set(digests)) > 1:
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(f"ranks {bad} hold other weights than rank 0 {when}; the ranks diverged (a bug: "
+        what = "another model" if sharding.sharded(model) else "other weights"
+        raise RuntimeError(f"ranks {bad} hold {what} than rank 0 {when}; the ranks diverged (a bug: "
                            f"please report it with the config)")
 
 

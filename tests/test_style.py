@@ -90,14 +90,17 @@ def traced_run(tmp_path):
 
 def test_the_learners_path_is_short():
     total = sum(len(open(os.path.join(ROOT, f)).read().splitlines()) for f in LEARNERS_PATH)
-    assert total <= 1200, f"{' + '.join(LEARNERS_PATH)} = {total} lines"
+    # 1,210: FSDP2's entry points (issue 33: the sharded build, boundary, wrap and sample, the frozen
+    # store as parameters) took 9 lines; its machinery is stepgpt/sharding.py
+    assert total <= 1210, f"{' + '.join(LEARNERS_PATH)} = {total} lines"
 
 
 def test_a_stage_boundary_is_short_counted_by_what_a_run_runs(tmp_path):
     """What a stage boundary adds to a run, traced, not listed: the loop's boundary branch, and every
-    function of ours that runs inside train.enter_stage and nowhere else in the run (at most 150
-    lines of code). What it shares with the rest of the run (the optimizer's construction, the
-    blocks' constructors, the re-wrap, the replica check, the log) is counted apart."""
+    function of ours that runs inside train.enter_stage and nowhere else in the run (at most 156
+    lines of code: 150 before FSDP's branch of the transition, issue 33). What it shares with the
+    rest of the run (the optimizer's construction, the blocks' constructors, the re-wrap, the replica
+    check, the log) is counted apart."""
     inside, outside = traced_run(tmp_path)
     only = {k: n for k, n in inside.items() if k not in outside}
     shared = {k: n for k, n in inside.items() if k in outside}
@@ -110,8 +113,8 @@ def test_a_stage_boundary_is_short_counted_by_what_a_run_runs(tmp_path):
                  ("model.py", "Block.freeze")]:
         assert must in only, must   # the trace saw the method itself
     report = "\n".join(f"{n:4} {f}:{name}" for (f, name), n in sorted(only.items()))
-    assert branch + sum(only.values()) <= 150, report
-    assert branch + sum(only.values()) + sum(shared.values()) <= 260, sorted(shared.items())
+    assert branch + sum(only.values()) <= 156, report
+    assert branch + sum(only.values()) + sum(shared.values()) <= 270, sorted(shared.items())   # 260 pre-FSDP
 
 
 def test_ruff_is_clean():

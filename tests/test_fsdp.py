@@ -1,0 +1,499 @@
+"""FSDP2 (fsdp=True) on 2 CPU ranks (gloo). In-process, in one 2-rank spawn shared by the quick
+tests: every parameter's and AdamW state's local shard is 1/world of the whole (the frozen int8
+store and its row scales included), a model built from scratch is never materialised whole and
+equals GPT(cfg) from the same seed, the frozen linear receives plain tensors (int8 as stored, fp32
+row scales under the bf16 policy), a compiled block has no graph break. Under torchrun (slow): the
+same run as one process through a growth and ReLoRA restarts, checkpoints that move between 1
+process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and docs/distributed.md's command
+as written, scaled down in size only."""
+import json
+import os
+import pickle
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import grow
+from model import GPT, GPTConfig
+from stepgpt import sharding
+from stepgpt.checkpoint import load_checkpoint
+from stepgpt.config import load_config
+from stepgpt.errors import UserError
+from tests.helpers import write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 2
+# 6 layers of 32 wide: the largest tensor (the 64 x 32 embedding) is a small part of the whole
+CFG = GPTConfig(vocab_size=64, n_layer=6, n_head=2, n_embd=32, ffn_hidden=64, block_size=16, lora_rank=4)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows_ok(local, whole):
+    """A shard is 1/world of its tensor's rows, give or take one (torch.chunk's split)."""
+    return abs(local.shape[0] - whole.shape[0] / WORLD) < 1 and local.shape[1:] == whole.shape[1:]
+
+
+def cpu_peak(fn):
+    """The peak of the CPU tensor bytes fn() allocates (bench/peak_memory.py's allocation timeline)."""
+    from bench.peak_memory import cpu_allocation_timeline
+    return max(live for _, live in cpu_allocation_timeline(fn))
+
+
+def _rank_checks(rank, port, out):
+    """Everything the quick tests assert, measured on one rank; rank 0 pickles what both found."""
+    from torch.distributed.tensor import DTensor
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    run = SimpleNamespace(device=torch.device("cpu"), world=WORLD, rank=rank, master=rank == 0,
+                          dtype="float32", compiled=False, cfg=SimpleNamespace(eval_iters=2, eval_tokens=0))
+    found = {}
+    # built from scratch on the meta device and materialised shard by shard
+    torch.manual_seed(3)
+    built = []
+    peak = cpu_peak(lambda: built.append(sharding.new_model(run, CFG)))
+    model = built[0]
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())   # global sizes
+    found["build peak / whole"] = peak / whole
+    found["one process's build peak / whole"] = cpu_peak(lambda: GPT(CFG)) / whole   # the meter's control
+    state = sharding.full_state(model)
+    if rank == 0:
+        torch.manual_seed(3)
+        reference = GPT(CFG).state_dict()
+        found["init equals one process"] = (state.keys() == reference.keys()
+                                            and all(torch.equal(state[k], reference[k]) for k in state))
+    # a stage boundary (grow 2 layers, freeze 6) on rank 0's gathered copy, then sharded anew
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(rank))
+    model(idx, idx)[1].backward()
+    opt.step()
+    model = sharding.next_stage(run, model, opt, lambda m: grow.next_stage(m, 2, seed=5))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model(idx, idx)[1].backward()
+    opt.step()
+    shards = {n: (p.to_local(), p) for n, p in model.named_parameters()}
+    found["every parameter a DTensor"] = all(isinstance(p, DTensor) for _, p in shards.values())
+    found["parameter shards"] = {n: _rows_ok(local, p) for n, (local, p) in shards.items()}
+    found["frozen store"] = {n: (str(p.dtype), p.requires_grad) for n, (_, p) in shards.items()
+                             if "weight_" in n}
+    found["trainable"] = [n for n, (_, p) in shards.items() if p.requires_grad]
+    found["optimizer shards"] = {f"{k} of {n}": _rows_ok(v.to_local(), p) for n, (_, p) in shards.items()
+                                 if p in opt.state for k, v in opt.state[p].items() if k != "step"}
+    # the gathered block, as measure_layers sees it on CUDA: plain tensors, whole, int8 as stored
+    block = model.layers[0]
+    block.unshard()
+    q = block.attn.q.weight_q
+    found["unsharded block"] = (type(q).__name__, tuple(q.shape), str(q.dtype))
+    block.reshard()
+    found["resharded"] = type(block.attn.q.weight_q).__name__
+    # what the frozen linear's custom op receives in a forward, under the bf16 policy too
+    import model as model_module
+    seen, real = [], model_module.frozen_lora_linear
+
+    def spy(x, q, scale, a, b, s):
+        seen.append(tuple((type(t).__name__, str(t.dtype)) for t in (q, scale, a, b)))
+        return real(x, q, scale, a, b, s)
+    model_module.frozen_lora_linear = spy
+    model(idx, idx)
+    found["op inputs fp32 policy"] = sorted(set(seen))
+    seen.clear()
+    bf16 = sharding.from_state(SimpleNamespace(**{**vars(run), "dtype": "bfloat16"}), model.config,
+                               sharding.full_state(model))
+    found["policies"] = [f"{type(b.mlp.up).__name__}:{b._get_fsdp_state()._mp_policy.param_dtype}"
+                         for b in bf16.layers]
+    bf16.layers[0](torch.randn(2, CFG.block_size, CFG.n_embd), bf16.rope_cos, bf16.rope_sin)
+    found["op inputs bf16 policy"] = sorted(set(seen))
+    model_module.frozen_lora_linear = real
+    # a frozen block compiled alone under FSDP: one graph, no break, the seven custom ops in it
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("eager")
+    block = model.layers[0]
+    block.compile(backend=backend)
+    x = torch.randn(2, CFG.block_size, CFG.n_embd, requires_grad=True)
+    block(x, model.rope_cos, model.rope_sin).sum().backward()
+    ops = sum(g.code.count("torch.ops.step.frozen_lora_linear.default") for g in backend.graphs)
+    found["compiled block"] = (backend.frame_count, dict(counters["graph_break"]), ops)
+    # the replica check compares the model's structure under FSDP: a rank that grew otherwise is stopped
+    from stepgpt import runtime
+    if rank == 1:   # as if rank 1 had frozen one layer fewer
+        model.config = replace(model.config, frozen_layers=model.config.frozen_layers[:-1])
+    try:
+        runtime.check_replicas(run, model, "after the test's growth")
+        found["replica check"] = "passed"
+    except RuntimeError as e:
+        found["replica check"] = str(e)
+    everything = [None] * WORLD
+    dist.all_gather_object(everything, found)
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump(everything, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """_rank_checks on 2 gloo ranks (a spawn: slow), what each rank found."""
+    out = tmp_path_factory.mktemp("fsdp") / "found.pkl"
+    torch.multiprocessing.spawn(_rank_checks, args=(_free_port(), str(out)), nprocs=WORLD)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.slow
+def test_every_shard_is_one_rank_s_share_the_frozen_int8_store_and_the_optimizer_state_included(ranks):
+    for found in ranks:
+        assert found["every parameter a DTensor"]
+        shards = found["parameter shards"]
+        assert len(shards) > 100 and all(shards.values()), shards
+        store = found["frozen store"]   # 6 frozen layers of 7 linears: int8 and fp32 scales, no gradient
+        assert len(store) == 6 * 7 * 2
+        assert set(store.values()) == {("torch.int8", False), ("torch.float32", False)}
+        opt = found["optimizer shards"]   # AdamW's two moments of every trainable tensor
+        assert len(opt) == 2 * len(found["trainable"]) and all(opt.values()), opt
+
+
+@pytest.mark.slow
+def test_a_model_built_from_scratch_is_never_whole_on_a_rank_and_equals_one_process_s(ranks):
+    """The CPU allocator's peak while each rank builds its shards: its half, plus one whole tensor
+    at a time; building the same model on one process peaks at all of it (the meter's control)."""
+    for found in ranks:
+        assert found["build peak / whole"] < 0.7, found["build peak / whole"]
+        assert found["one process's build peak / whole"] >= 1.0
+    assert ranks[0]["init equals one process"]   # GPT(cfg) from the same seed, tensor for tensor
+
+
+@pytest.mark.slow
+def test_the_frozen_linear_gets_plain_tensors_int8_as_stored_and_fp32_scales_under_bf16(ranks):
+    plain = [(("Parameter", "torch.int8"),) + (("Parameter", "torch.float32"),) * 3]
+    for found in ranks:
+        assert found["op inputs fp32 policy"] == plain
+        assert found["op inputs bf16 policy"] == plain      # a frozen block's policy casts nothing
+        # bf16 units: the trainable blocks (the growth put its two new layers at 5 and 7)
+        assert found["policies"] == ["FrozenLoRALinear:None"] * 5 + ["Linear:torch.bfloat16",
+                                                                      "FrozenLoRALinear:None",
+                                                                      "Linear:torch.bfloat16"]
+        # what measure_layers sees on CUDA between unshard() and reshard()
+        assert found["unsharded block"] == ("Parameter", (32, 32), "torch.int8")
+        assert found["resharded"] == "DTensor"
+
+
+@pytest.mark.slow
+def test_a_block_compiled_alone_under_fsdp_has_no_graph_break(ranks):
+    for found in ranks:
+        frames, breaks, ops = found["compiled block"]
+        assert frames == 1 and breaks == {} and ops == 7
+
+
+@pytest.mark.slow
+def test_the_replica_check_stops_ranks_that_hold_another_model(ranks):
+    for found in ranks:
+        assert found["replica check"].startswith("ranks [1] hold another model than rank 0 after the test's "
+                                                 "growth")
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process (the quick run)
+
+@pytest.mark.parametrize("kw", [dict(frozen_layers=(0, 2)), dict(frozen_layers=(1,), frozen_dtype="bf16"),
+                                dict(frozen_layers=(0,), tie_embeddings=True, train_embeddings=False)])
+def test_the_meta_skeleton_is_gpt_s_tree_and_the_plain_copy_its_tensors(kw):
+    torch.manual_seed(0)
+    cfg = replace(CFG, n_layer=3, **kw)
+    model = GPT(cfg)
+    skeleton = sharding.skeleton(cfg)
+    assert all(p.is_meta for p in skeleton.parameters())
+    tree = lambda m: [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()]  # noqa: E731
+    assert tree(skeleton) == tree(model) and skeleton.config == model.config
+    plain = sharding.plain_model(cfg, model.state_dict())
+    assert tree(plain) == tree(model)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    assert torch.equal(plain(idx, idx)[1], model(idx, idx)[1])
+    assert (plain.lm_head.weight is plain.wte.weight) == cfg.tie_embeddings
+
+
+def test_fsdp_with_zero1_another_optimizer_or_without_torchrun_is_refused_in_one_line(tmp_path):
+    import train
+    with pytest.raises(UserError, match="fsdp=True shards the AdamW state already .* use one of them"):
+        load_config(["--fsdp=True", "--zero1=True"])
+    with pytest.raises(UserError, match="fsdp=True runs optimizer=adamw with relora_prune=1"):
+        load_config(["--fsdp=True", "--optimizer=galore"])
+    with pytest.raises(UserError, match="fsdp=True runs optimizer=adamw with relora_prune=1"):
+        load_config(["--fsdp=True", "--relora_prune=0.9"])
+    data = write_dataset(tmp_path / "data")
+    with pytest.raises(UserError, match=r"fsdp=True shards the model over torchrun's ranks: start it with "
+                                        r"torchrun --nproc_per_node=N"):
+        train.main(["--fsdp=True", f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
+                    "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--max_iters=2",
+                    "--sample_tokens=0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun (slow): docs/distributed.md's command, cross-mode resumes, signals
+
+# the docs' step_small command scaled down in size only: the model, the batch, the token budget, the
+# schedule's lengths, the eval and the sample; 64 tokens per step, 6 steps per stage, growth at 6
+SIZE = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2", "--lora_rank=4",
+        "--stage_layers=[1, 1]", "--stage_tokens=[384, 384]", "--warmup_iters=2", "--stage_warmup_iters=2",
+        "--eval_interval=2", "--eval_iters=4", "--log_interval=1", "--sample_tokens=20"]
+
+
+def docs_command():
+    """docs/distributed.md's FSDP command, as an argument list."""
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    lines = [line for line in re.findall(r"^(torchrun .*--fsdp=True.*)$", text, re.M)]
+    assert len(set(lines)) == 1, lines
+    return shlex.split(lines[0], comments=True)
+
+
+def single(command):
+    """The same run on one process: python train.py CONFIG KEYS, without --fsdp=True."""
+    return [a for a in command[3:] if a != "--fsdp=True"]
+
+
+def torchrun(args, out, *extra):
+    """args: a torchrun command line (docs' form); run with this Python, scaled down in size."""
+    return [sys.executable, "-m", "torch.distributed.run", *args[1:], *SIZE, f"--out_dir={out}", *extra]
+
+
+def python(args, out, *extra):
+    return [sys.executable, *args, *SIZE, f"--out_dir={out}", *extra]
+
+
+def ok(cmd):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def val_losses(out):
+    records = map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+    return [m["val_loss"] for m in records if "val_loss" in m]
+
+
+def same_tensors(a, b, exact):
+    ca, cb = load_checkpoint(str(a)), load_checkpoint(str(b))
+    assert ca["iter_num"] == cb["iter_num"] and ca["model"].keys() == cb["model"].keys()
+    for k in ca["model"]:
+        if exact:
+            assert torch.equal(ca["model"][k], cb["model"][k]), k
+        else:
+            torch.testing.assert_close(ca["model"][k].float(), cb["model"][k].float(), rtol=0, atol=1e-4,
+                                       msg=k)
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            if exact:
+                assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+            else:
+                torch.testing.assert_close(sa[i][k].float(), sb[i][k].float(), rtol=1e-3, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def docs_run(tmp_path_factory):
+    """docs/distributed.md's command on 2 ranks and the same keys on one process."""
+    tmp = tmp_path_factory.mktemp("fsdp-docs")
+    data = write_dataset(tmp / "data", vocab=300)     # 299 BPE ranks + <|endoftext|>: a real tokenizer
+    command = docs_command()
+    assert command[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py"], command
+    fsdp = ok(torchrun(command, tmp / "fsdp", f"--data_dir={data}"))
+    one = ok(python(single(command), tmp / "one", f"--data_dir={data}"))
+    return tmp, data, command, fsdp, one
+
+
+@pytest.mark.slow
+def test_the_docs_fsdp_command_trains_through_a_growth_with_one_process_s_val_losses(docs_run):
+    tmp, _, _, fsdp, one = docs_run
+    assert "fsdp : True" in fsdp and "world size : 2" in fsdp and fsdp.count("== stage 2/2: grew 1") == 1
+    assert "world size : 1" in one
+    a, b = val_losses(tmp / "fsdp"), val_losses(tmp / "one")
+    assert len(a) == len(b) == 7
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
+    same_tensors(tmp / "fsdp", tmp / "one", exact=False)
+    assert (tmp / "fsdp" / "sample.txt").read_text()   # sampled on both ranks, written by rank 0
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_samples_grows_and_exports_on_one_process(docs_run, capsys):
+    """One format: the FSDP run's checkpoint before its last is resumed on one process to the end of
+    the same run; sample.py, grow.py and export_hf.py read its final one."""
+    import export_hf
+    import sample
+    tmp, data, command, _, _ = docs_run
+    shutil.copytree(tmp / "fsdp", tmp / "fsdp-then-one")
+    out = ok(python(single(command), tmp / "fsdp-then-one", f"--data_dir={data}",
+                    "--init_from=resume_previous"))
+    assert "world size : 1" in out and "resuming from" in out and "ckpt-00000010.pt (step 10)" in out
+    same_tensors(tmp / "fsdp-then-one", tmp / "one", exact=False)
+    ckpt = str(tmp / "fsdp")
+    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
+    assert capsys.readouterr().out.startswith("To be")
+    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
+    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
+    pytest.importorskip("safetensors")
+    export_hf.main([ckpt, str(tmp / "hf")])
+    assert (tmp / "hf" / "model.safetensors").is_file()
+
+
+# a train.py that sleeps after each step, so that a signal lands inside the run, not after its end
+SLOW_STEPS = (
+    "import sys, time\n"
+    f"sys.path.insert(0, {ROOT!r})\n"
+    "import train\nfrom stepgpt import errors\n"
+    "step = train.train_step\n"
+    "def slow(*a, **k):\n"
+    "    out = step(*a, **k)\n"
+    "    time.sleep(0.3)\n"
+    "    return out\n"
+    "train.train_step = slow\n"
+    "errors.run_cli(train.main)\n")
+
+
+def _slow(tmp, command):
+    wrapper = tmp / "slow_steps.py"
+    wrapper.write_text(SLOW_STEPS)
+    return [str(wrapper) if a == "train.py" else a for a in command]
+
+
+def _start(cmd):
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc, step):
+    for line in proc.stdout:
+        if re.match(rf"step +{step}/", line):
+            return
+    raise AssertionError(f"the run ended before step {step}: {proc.stderr.read()[-3000:]}")
+
+
+def _workers(launcher):
+    """{rank: pid} of torchrun's workers (each in a session of its own, so killing the launcher's
+    process group would leave them running)."""
+    workers = {}
+    for pid in open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split():
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        rank = next(int(v[5:]) for v in env if v.startswith(b"RANK="))
+        workers[rank] = int(pid)
+    assert sorted(workers) == [0, 1], workers
+    return workers
+
+
+RELORA = ["--gradient_accumulation_steps=4", "--stage_tokens=[768, 768]", "--relora_every=2"]
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_one_process_fsdp_and_ddp_both_ways(docs_run):
+    """One run in four legs, each resuming the last one's checkpoint, 2 micro-steps per rank: 1 process
+    (steps 0-3); FSDP (the growth at 6, a ReLoRA restart at 8) until SIGTERM to rank 1 alone stops
+    both ranks, which save; DDP for a step; FSDP to the end. It ends where one process running it
+    straight ends."""
+    tmp, data, command, _, _ = docs_run
+    keys = [f"--data_dir={data}", *RELORA]
+    ok(python(single(command), tmp / "straight", *keys))
+    legs = tmp / "legs"
+    ok(python(single(command), legs, *keys, "--stop_at=3"))
+    proc = _start(torchrun(_slow(tmp, command), legs, *keys, "--init_from=resume"))
+    _wait_for_step(proc, 9)
+    os.kill(_workers(proc)[1], signal.SIGTERM)
+    rest, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = load_checkpoint(str(legs))["iter_num"]
+    assert "stopped by a signal to another rank after step" in rest and 9 <= stopped <= 10, rest[-2000:]
+    ddp = [a for a in command if a != "--fsdp=True"]
+    for cmd, stop in ((ddp, stopped + 1), (command, 0)):
+        out = ok(torchrun(cmd, legs, *keys, "--init_from=resume", f"--stop_at={stop}"))
+        assert ("fsdp : True" in out) == (cmd is command) and "world size : 2" in out
+    assert load_checkpoint(str(legs))["iter_num"] == 12
+    same_tensors(legs, tmp / "straight", exact=False)
+    a, b = val_losses(legs), val_losses(tmp / "straight")
+    assert abs(a[-1] - b[-1]) <= 1e-5 * b[-1], (a, b)
+
+
+@pytest.mark.slow
+def test_kill_minus_9_of_the_whole_job_mid_stage_then_resume_ends_bit_for_bit(docs_run):
+    """FSDP killed with SIGKILL (launcher and ranks at once) mid stage 2, resumed from its last
+    checkpoint: the end equals the docs run's straight end, every tensor and AdamW moment bit for
+    bit."""
+    tmp, data, command, _, _ = docs_run
+    out = tmp / "killed"
+    proc = _start(torchrun(_slow(tmp, command), out, f"--data_dir={data}"))
+    _wait_for_step(proc, 9)
+    for pid in [proc.pid, *_workers(proc).values()]:   # kill -9 of the whole job, at once
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert load_checkpoint(str(out))["iter_num"] in (8, 10)   # mid stage 2 (steps 6-12)
+    ok(torchrun(command, out, f"--data_dir={data}", "--init_from=resume"))
+    same_tensors(out, tmp / "fsdp", exact=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/distributed.md's other commands: the sharded plans and the CPU measurement
+
+def section_commands(prefix):
+    """The command lines of the FSDP section's ```bash blocks that start with `prefix`."""
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read().split("## Sharded training: FSDP2", 1)[1]
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_the_docs_sharded_plans_run_scaled_down_in_depth(capsys):
+    """Each plan.py command of the section, with 2 layers per stage instead of the config's (the
+    enumeration of 80 layers takes a minute): the per-GPU table, a DDP, ZeRO-1 and FSDP row per stage."""
+    import plan
+    commands = section_commands("python plan.py")
+    assert [c[2] for c in commands] == ["config/vanilla_7b.py", "config/step_7b.py", "config/step_70b.py"]
+    for argv in commands:
+        keys = [a for a in argv[3:] if a.startswith("--") and "=" in a]
+        stages = grow.stage_count(load_config([argv[2], *keys, "--fsdp=True"]))
+        plan.main(argv[2:] + [f"--stage_layers={[2] * stages}"])
+        out = capsys.readouterr().out
+        world = argv[argv.index("--world") + 1]
+        table = out.split(f"per GPU on {world} ranks, GiB", 1)[1].splitlines()[2:]
+        settings = [line.split()[4] for line in table]   # stage, n, +, frozen, setting
+        assert settings == ["DDP", f"ZeRO-1/{world}", f"FSDP/{world}"] * stages, out
+
+
+@pytest.mark.slow
+def test_the_docs_cpu_measurement_of_fsdp_against_ddp_runs_scaled_down(tmp_path):
+    """bench/peak_memory.py --ranks 2 as the section shows it, the model scaled down: each rank's
+    peak per window under DDP and under FSDP, beside the plan."""
+    (command,) = section_commands("python bench/peak_memory.py")
+    data = write_dataset(tmp_path / "data")
+    size = ["n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16", "batch_size=2", "lora_rank=4",
+            f"data_dir={data}"]
+    out = ok([sys.executable, *command[1:], *[a for s in size for a in ("--set", s)]])
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| step2 |")]
+    assert [(r[1], r[2]) for r in rows] == [(s, f"{i} {p}") for s in ("DDP", "FSDP") for i in (1, 2)
+                                            for p in ("stage change", "step")], out
+    assert all(float(r[5].replace(",", "")) > 0 and float(r[6].replace(",", "")) > 0 for r in rows), out
+
+
+def test_the_sharded_state_divides_what_ddp_holds():
+    """memory.sharded_state: FSDP divides weights, gradients and AdamW state by the world size, ZeRO-1
+    the AdamW state only; DDP's is the planner's whole model state (16 B per trainable parameter)."""
+    from stepgpt import memory
+    cfg = replace(CFG, frozen_layers=(0, 1))
+    ddp = memory.sharded_state(cfg, 4, 2, 8, "ddp")
+    assert sum(ddp) == memory.state_bytes(cfg, 4, 2)
+    assert memory.sharded_state(cfg, 4, 2, 8, "fsdp") == tuple(b / 8 for b in ddp)
+    assert memory.sharded_state(cfg, 4, 2, 8, "zero1") == (ddp[0], ddp[1], ddp[2] / 8)
+    whole = memory.step_peak_bytes(cfg, 4, 2, 256)
+    assert memory.step_peak_bytes(cfg, 4, 2, 256, fsdp_world=8) < whole
