@@ -2,6 +2,7 @@
 prepared data, bad sampling arguments, an unknown device, and a second run into a live run's out_dir."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,15 +44,17 @@ def test_damaged_prepared_data_is_one_line(tmp_path, damage, message):
     assert "python data/prepare.py" in str(e.value)
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("--max_new_tokens=-1", "--max_new_tokens -1 must be >= 1"),
-    ("--temperature=-1", "--temperature -1.0 must be >= 0"),
-    ("--top_k=-5", "--top_k -5 >= 0"),
-    ("--prompt=FILE:no/such/prompt.txt", "cannot read no/such/prompt.txt"),
-])
-def test_bad_sampling_arguments_are_one_line_before_loading_anything(arg, message):
-    # the checkpoint does not exist either: the arguments are checked first
-    assert message in one_line_error(["sample.py", "--ckpt=no-such-run", arg])
+def test_bad_sampling_arguments_are_one_line_before_loading_anything():
+    """sample.py's arguments are checked before the checkpoint is read (it does not exist either):
+    the first case as a user runs the script, the rest in-process through the same check."""
+    import sample
+    assert "--max_new_tokens -1 must be >= 1" in one_line_error(["sample.py", "--ckpt=no-such-run",
+                                                                  "--max_new_tokens=-1"])
+    for arg, message in (("--temperature=-1", "--temperature -1.0 must be >= 0"),
+                         ("--top_k=-5", "--top_k -5 >= 0"),
+                         ("--prompt=FILE:no/such/prompt.txt", "cannot read no/such/prompt.txt")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            sample.main(["--ckpt=no-such-run", arg])
 
 
 def test_an_unknown_device_is_one_line():
