@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from stepgpt.errors import UserError
 from tests.helpers import needs_interpreter, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
@@ -52,9 +53,9 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
     again = run(*argv)
     assert ("step2-s1: resuming" in again and "vanilla-s1: starting" not in again
             and "relora: starting" not in again)
-    proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True,
-                          text=True)
-    assert proc.returncode != 0 and "is from other settings" in proc.stderr
+    from bench import reproduce   # in-process: the same UserError that run_cli prints as one line
+    with pytest.raises(UserError, match="vanilla-s1/result.json is from other settings"):
+        reproduce.main([*argv[1:4], "2048", *argv[5:]])
 
 
 def test_memory_table(tmp_path):
@@ -101,19 +102,22 @@ def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
 
 def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
     """The README's `--scale 350m --launcher "torchrun ..."` form: config/step_350m.py's keys and
-    accumulation, 2 CPU ranks with gloo, the model scaled down."""
+    accumulation, 2 CPU ranks with gloo, the model scaled down; one run, the one with a growth (the
+    grid's other rows are plain train.py runs that test_reproduce_grid_runs_resumes_and_skips and
+    tests/test_ddp.py cover)."""
     write_dataset(str(tmp_path / "data"))
     small = [f"--set={kv}" for kv in ("n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16",
                                       "batch_size=2", "lora_rank=4", "vocab_size=0", "target_layers=2",
                                       "eval_iters=1", "warmup_iters=1", "stage_warmup_iters=1",
                                       f"data_dir={tmp_path / 'data'}")]
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"
-    out = run("bench/reproduce.py", "--scale", "350m", "--only", "vanilla-s1,step2-s1", "--tokens", "2048",
+    out = run("bench/reproduce.py", "--scale", "350m", "--only", "step2-s1", "--tokens", "2048",
               "--evals", "2", "--out", str(tmp_path / "grid"), "--launcher", launcher, *small)
     assert "torch.distributed.run" in out and "config/step_350m.py" in out
     rows = (tmp_path / "grid" / "table.md").read_text().splitlines()[2:]
-    assert [r.split("|")[1].strip() for r in rows] == ["vanilla-s1", "step2-s1"]
-    assert all("| 2,048 |" in r for r in rows)
+    assert [r.split("|")[1].strip() for r in rows] == ["step2-s1"] and "| 2,048 |" in rows[0]
+    log = (tmp_path / "grid" / "step2-s1" / "train.log").read_text()
+    assert "world size : 2" in log and log.count("== stage 2/2") == 1
 
 
 def test_train_step_time_bench_as_the_readme_runs_it():

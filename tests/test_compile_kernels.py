@@ -74,19 +74,21 @@ def test_every_kernel_compiles_clean_for_sm90_under_the_lowest_supported_triton(
 
 
 def test_a_config_over_the_shared_memory_limit_fails_the_check():
+    """Six stages of small tiles: over the limit, and quick to compile (256x256x256 tiles took twice
+    as long)."""
     code = """if 1:
         import sys, triton
         from bench import compile_kernels
         from stepgpt.kernels import frozen_lora
-        huge = triton.Config(dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=256, GROUP_M=8, CONVERT="direct"),
-                             num_stages=4, num_warps=8)
+        huge = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, CONVERT="direct"),
+                             num_stages=6, num_warps=4)
         frozen_lora._FWD_CONFIGS[:] = [huge]
         sys.exit(compile_kernels.main(sys.argv[1:]))
     """
     run = _run(["--shapes", "350m", "--dtypes", "bf16", "--kernels", "_fwd_kernel", "--jobs", "1"], code)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "3 launches with no config that fits" in run.stdout and "753,664!" in run.stdout   # attn, up, down
-    assert "target missed: _fwd_kernel 256x256x256 direct, 4, 8" in run.stdout
+    assert "3 launches with no config that fits" in run.stdout and "286,720!" in run.stdout   # attn, up, down
+    assert "target missed: _fwd_kernel 64x64x256 direct, 6, 4" in run.stdout
 
 
 def test_sass_counts_the_main_loops_instructions(compiled):

@@ -18,6 +18,7 @@ import transformers
 import train
 from downstream import sft
 from stepgpt.config import load_config
+from stepgpt.errors import UserError
 from data.prepare import prepare
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
@@ -78,27 +79,6 @@ def test_prompt_is_masked_from_the_loss(runs, tmp_path):
         assert tok.decode(ids).startswith(sft.alpaca_prompt(r["instruction"], r["input"]) + text)
 
 
-def test_sft_writes_a_model_transformers_loads(runs, tmp_path):
-    proc = run("downstream/sft.py", str(runs / "hf-step"), ALPACA, "sft", "--epochs", "1", cwd=tmp_path)
-    assert re.search(r"wrote sft: 132 examples x 1 epochs, 17 steps, loss [\d.]+ -> [\d.]+", proc.stdout)
-    assert sorted(os.listdir(tmp_path)) == ["sft"]
-    summary = json.loads((tmp_path / "sft" / "sft.json").read_text())
-    assert summary["steps"] == 17 and summary["max_length"] == 128 and summary["cut"] == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "sft")
-    # the chat template it carries is Alpaca's prompt
-    messages = [{"role": "user", "content": "Add the two numbers."}, {"role": "input", "content": "3 and 4"}]
-    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        sft.alpaca_prompt("Add the two numbers.", "3 and 4")
-    answered = messages[:1] + [{"role": "assistant", "content": "7"}]
-    assert tok.apply_chat_template(answered, tokenize=False) == \
-        sft.alpaca_prompt("Add the two numbers.") + "7<|endoftext|>"
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                     return_tensors="pt")
-    out = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > prompt["input_ids"].shape[1] and tok.pad_token == "<|endoftext|>"
-
-
 @pytest.mark.parametrize("content, error", [
     (None, "no such file: .*alpaca.json"),
     ("[{\"instruction\": \"a\",", "alpaca.json is not JSON"),
@@ -107,20 +87,28 @@ def test_sft_writes_a_model_transformers_loads(runs, tmp_path):
      "record 1 has no string 'output'"),
     ("[{\"instruction\": \"a\", \"input\": 3, \"output\": \"b\"}]", "record 0 has no string 'input'"),
 ])
-def test_sft_bad_data_is_a_one_line_error(runs, tmp_path, content, error):
+def test_sft_bad_data_is_a_one_line_error(runs, tmp_path, monkeypatch, content, error):
+    """In-process: sft.py ends with SystemExit's one line, as test_sft_bad_model_folder shows it
+    printed by the script."""
     if content is not None:
         (tmp_path / "alpaca.json").write_text(content)
-    proc = run("downstream/sft.py", str(runs / "hf-step"), "alpaca.json", "sft", cwd=tmp_path, ok=False)
-    assert proc.stderr.startswith("error: ") and re.search(error, proc.stderr), proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Alpaca's format" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        sft.main([str(runs / "hf-step"), "alpaca.json", "sft"])
+    message = str(e.value.code)
+    assert message.startswith("error: ") and re.search(error, message), message
+    assert "\n" not in message and "Alpaca's format" in message
+    assert sorted(os.listdir(tmp_path)) == ([] if content is None else ["alpaca.json"])   # nothing written
 
 
-def test_sft_bad_model_folder(runs, tmp_path):
+def test_sft_bad_model_folder(runs, tmp_path, monkeypatch):
     proc = run("downstream/sft.py", str(runs / "step"), ALPACA, "sft", cwd=tmp_path, ok=False)
-    assert "has no config.json: give a folder written by export_hf.py" in proc.stderr
+    assert proc.stderr == (f"error: {runs / 'step'} has no config.json: give a folder written by "
+                           "export_hf.py from a checkpoint with a cl100k tokenizer\n")
     os.makedirs(tmp_path / "sft")
-    proc = run("downstream/sft.py", str(runs / "hf-step"), ALPACA, "sft", cwd=tmp_path, ok=False)
-    assert proc.stderr == "error: sft exists: remove it or choose another output folder\n"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="^error: sft exists: remove it or choose another output folder$"):
+        sft.main([str(runs / "hf-step"), ALPACA, "sft"])
 
 
 # -- the pipeline's commands -----------------------------------------------------------------------
@@ -139,7 +127,8 @@ def pipeline_commands():
 
 def test_pipeline_commands(runs, tmp_path):
     """Each command as the docstring (and the README) gives it, in a folder laid out as the
-    repository with a tiny run under the names used there; lm-eval's bits per byte is ours."""
+    repository with a tiny run under the names used there; lm-eval's bits per byte is ours. The
+    tuned model is a folder transformers loads, with Alpaca's prompt as its chat template."""
     os.symlink(runs / "step", tmp_path / "out-step-small")
     os.makedirs(tmp_path / "data")
     os.symlink(runs / "data", tmp_path / "data" / "shakespeare")
@@ -164,7 +153,25 @@ def test_pipeline_commands(runs, tmp_path):
     base, tuned = lm_eval_table(printed[2]), lm_eval_table(printed[4])
     assert abs(base["bits_per_byte"] - ours) <= 1e-4 * ours   # lm-eval prints 4 decimals
     assert base.keys() == tuned.keys() >= {"bits_per_byte", "acc", "acc_norm"}
-    assert (tmp_path / "sft-step-small" / "sft.json").exists()
+    assert re.search(r"wrote sft-step-small: 132 examples x 3 epochs, 51 steps, loss [\d.]+ -> [\d.]+",
+                     printed[3]), printed[3]
+    assert not os.path.exists(tmp_path / "sft-step-small.tmp")
+    tuned_model = tmp_path / "sft-step-small"
+    summary = json.loads((tuned_model / "sft.json").read_text())
+    assert summary["steps"] == 51 and summary["max_length"] == 128 and summary["cut"] == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tuned_model)
+    tok = transformers.AutoTokenizer.from_pretrained(tuned_model)
+    # the chat template it carries is Alpaca's prompt
+    messages = [{"role": "user", "content": "Add the two numbers."}, {"role": "input", "content": "3 and 4"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        sft.alpaca_prompt("Add the two numbers.", "3 and 4")
+    answered = messages[:1] + [{"role": "assistant", "content": "7"}]
+    assert tok.apply_chat_template(answered, tokenize=False) == \
+        sft.alpaca_prompt("Add the two numbers.") + "7<|endoftext|>"
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                     return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1] and tok.pad_token == "<|endoftext|>"
 
 
 def lm_eval_table(stdout):
@@ -201,8 +208,10 @@ def test_downstream_table_parity_and_rerun(runs, tmp_path):
 
 
 def test_downstream_errors(runs, tmp_path):
+    """The script says why it cannot run; the second case in-process (its UserError is the one line)."""
+    from downstream import compare
     proc = run("downstream/compare.py", str(runs / "vanilla"), str(runs / "step"), "--scale", "350m",
                cwd=tmp_path, ok=False)
     assert "--scale 350m needs --sft_data" in proc.stderr
-    proc = run("downstream/compare.py", str(runs / "vanilla"), str(tmp_path / "none"), cwd=tmp_path, ok=False)
-    assert proc.stderr.startswith("error: no checkpoint at") and proc.stderr.count("\n") == 1
+    with pytest.raises(UserError, match="^no checkpoint at"):
+        compare.main([str(runs / "vanilla"), str(tmp_path / "none"), f"--out={tmp_path / 'ds'}"])

@@ -27,23 +27,39 @@ RUN = ["--device=cpu",
        "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3",
        "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6",
        "--relora_every=7", "--keep_checkpoints=2"]
-# a wrapper that makes checkpoint writes slow and announces them, so a kill can land inside one
-# (the first save of each process only, to keep the test short)
-SLOW_SAVE = (
+# train.py with a pause at a chosen point, so that the test's signal or kill lands there however
+# busy the machine is. PAUSE_STEP=k: after the log line of step k, until a SIGTERM or SIGINT (which
+# the run then handles) or a SIGKILL. PAUSE_SAVE=n: inside the process's first checkpoint write,
+# after n bytes of it, until killed. It creates PAUSE_MARK when it pauses.
+PAUSE = (
     "import os, sys, time\n"
     f"sys.path.insert(0, {ROOT!r})\n"
-    "import train\nfrom stepgpt import checkpoint, errors\n"
-    "write, saves = checkpoint._HashingWriter.write, []\n"
+    "import train\nfrom stepgpt import checkpoint, errors, monitor, runtime\n"
+    "step, save = int(os.environ.get('PAUSE_STEP', -1)), int(os.environ.get('PAUSE_SAVE', -1))\n"
+    "signalled, written = [], []\n"
+    "def pause():\n"
+    "    open(os.environ['PAUSE_MARK'], 'w').close()\n"
+    "    while not signalled:\n"
+    "        time.sleep(0.01)\n"
+    "handle = runtime.StopRequest.handle\n"
+    "def handled(self, *a):\n"
+    "    handle(self, *a)\n"
+    "    signalled.append(1)\n"
+    "log = monitor.Logger.print\n"
+    "def logged(self, *a, **k):\n"
+    "    log(self, *a, **k)\n"
+    "    if str(a[0]).startswith(f'step {step:>6}/'):\n"
+    "        pause()\n"
+    "write = checkpoint._HashingWriter.write\n"
     "def slow(self, b):\n"
-    "    if not saves:\n"
-    "        open(os.environ['SAVE_MARK'], 'w').close()\n"
-    "        time.sleep(0.02)\n"
-    "    return write(self, b)\n"
-    "save = checkpoint.save_checkpoint\n"
-    "def counted(*a, **k):\n"
-    "    save(*a, **k)\n"
-    "    saves.append(1)\n"
-    "checkpoint._HashingWriter.write, checkpoint.save_checkpoint = slow, counted\n"
+    "    n = write(self, b)\n"
+    "    written.append(len(b))\n"
+    "    if 0 <= save < sum(written):\n"
+    "        self.f.flush()\n"
+    "        pause()\n"
+    "    return n\n"
+    "runtime.StopRequest.handle, monitor.Logger.print = handled, logged\n"
+    "checkpoint._HashingWriter.write = slow\n"
     "errors.run_cli(train.main)\n")
 
 
@@ -70,26 +86,31 @@ def start(out, data, script, env=None):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_for_step(proc, step):
-    for line in proc.stdout:
-        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
-            return True
-    return False
+def paused(out, data, tmp_path, **at):
+    """train.py, resumed if out holds a checkpoint, started with PAUSE at `at` (PAUSE_STEP=k or
+    PAUSE_SAVE=n); -> the process once it has paused there, or has ended."""
+    mark = tmp_path / "paused"
+    if mark.exists():
+        mark.unlink()
+    (tmp_path / "pause.py").write_text(PAUSE)
+    env = {**os.environ, "PAUSE_MARK": str(mark), **{f"PAUSE_{k.upper()}": str(v) for k, v in at.items()}}
+    proc = start(out, data, str(tmp_path / "pause.py"), env)
+    while not mark.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    return proc
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
     _, data = straight
     out = tmp_path / "out"
-    proc = start(out, data, "train.py")
-    assert wait_for_step(proc, 9)
+    proc = paused(out, data, tmp_path, step=9)
     proc.send_signal(sig)
     rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
-    assert f"stopped by {signal.Signals(sig).name} after step" in line and "--init_from=resume" in line
-    step = int(line.split("after step ")[1].split(":")[0])
-    assert 9 <= step < 40 and load_checkpoint(str(out))["iter_num"] == step
+    assert f"stopped by {signal.Signals(sig).name} after step 9:" in line and "--init_from=resume" in line
+    assert load_checkpoint(str(out))["iter_num"] == 9
     proc = start(out, data, "train.py")
     proc.communicate(timeout=300)
     assert proc.returncode == 0
@@ -99,29 +120,20 @@ def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
 def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
     """Killed at random steps and twice while a checkpoint is half written; each time resumed."""
     _, data = straight
-    out, mark = tmp_path / "out", tmp_path / "saving"
-    wrapper = tmp_path / "slow_save.py"
-    wrapper.write_text(SLOW_SAVE)
-    env = {**os.environ, "SAVE_MARK": str(mark)}
+    out = tmp_path / "out"
+    size = os.path.getsize(checkpoint_files(str(straight[0] / "straight"))[0])
     rng = random.Random(0)
-    kills, torn = 0, 0
+    torn = 0
     for kind in ["step", "save", "step", "save", "step"]:
-        proc = start(out, data, str(wrapper), env)
-        if kind == "save":
-            while not mark.exists() and proc.poll() is None:
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.05, 0.3))          # somewhere inside the write
-        else:
-            wait_for_step(proc, rng.randint(1, 35))
-        if proc.poll() is None:
-            proc.kill()
-            kills += 1
+        done = load_checkpoint(str(out))["iter_num"] if checkpoint_files(str(out)) else 0
+        at = dict(save=rng.randint(1, size // 2)) if kind == "save" else dict(step=rng.randint(done + 1, 39))
+        proc = paused(out, data, tmp_path, **at)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.kill()
         proc.communicate()
-        if kind == "save":
-            torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the kill landed inside a write
-        if mark.exists():
-            mark.unlink()
-    assert kills >= 4 and torn == 2
+        if kind == "save":   # the kill landed inside the write
+            torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))
+    assert torn == 2
     proc = start(out, data, "train.py")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
