@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from stepgpt.errors import UserError
-from tests.helpers import needs_interpreter, write_dataset
+from tests.helpers import HANG, needs_interpreter, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*argv, timeout=300):
+def run(*argv, timeout=HANG):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -142,7 +142,7 @@ def prepared_text(path):
     """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, kept in
     its tiktoken.json), from the README's text."""
     proc = subprocess.run([sys.executable, "data/prepare.py", "--source", "README.md", "--out", str(path),
-                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return path
 
@@ -229,7 +229,7 @@ def test_gpu_check_as_two_offline_jobs_then_a_batch_job(tmp_path):
         copy = repository_copy(tmp_path / f"machine{i + 1}", here, beside)
         env = machine_env(tmp_path / f"env{i + 1}", out, home)
         proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
-                              timeout=deadline + 60)
+                              timeout=HANG)
         log = (out / "gpu_check.log").read_text()
         assert "python called" not in log and "Traceback" not in log, log[-3000:]
         files = os.listdir(out)
@@ -257,7 +257,7 @@ def test_gpu_check_as_two_offline_jobs_then_a_batch_job(tmp_path):
     script.write_text(batch + "\n")
     env = machine_env(tmp_path / "env3", tmp_path / "unused", home)
     third = subprocess.run(["bash", str(script)], cwd=tmp_path / "machine2", env=env, capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=HANG)
     log3 = (batch_out / "gpu_check.log").read_text()
     assert third.returncode == 0 and log3.startswith(log2) and log3.count("gpu_check call of") == 3, \
         third.stdout[-3000:] + third.stderr[-3000:]
@@ -301,7 +301,7 @@ def test_gpu_check_kills_a_step_at_the_deadline_and_leaves_the_rest_for_the_next
     env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "30",
            "GPU_CHECK_STEPS": "kernels,memory-350m,memory-1b", "PYTHON": str(stub)}
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=HANG, env=env)
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     took = int(re.search(r"this call took (\d+)s", log).group(1))   # the script's own clock
     assert proc.returncode == 3 and took < 30, (proc.returncode, took, log[-3000:])
@@ -327,7 +327,7 @@ def test_gpu_check_trains_on_gpu_check_data_or_says_it_is_missing(tmp_path):
         env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / f"out-{status}"),
                "GPU_CHECK_DATA": folder, "GPU_CHECK_STEPS": "train", "PYTHON": str(stub)}
         proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env=env)
+                              timeout=HANG, env=env)
         assert proc.returncode == status, proc.stdout[-3000:]
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls[0] == calls[2] == "-c" and len(calls) == 3
@@ -351,7 +351,7 @@ def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
         env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), **extra,
                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
         proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env=env)
+                              timeout=HANG, env=env)
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("gpu_check: ")]
         assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
 

@@ -31,13 +31,14 @@ def test_every_shipped_config_loads_from_any_working_directory(name, tmp_path, m
 
 
 def test_vanilla_twins_train_the_same_final_model_on_the_same_tokens():
-    for size in ("small", "350m", "1b"):
+    for size in ("small", "350m", "1b", "7b"):
         step = load_config([os.path.join(ROOT, "config", f"step_{size}.py")])
         vanilla = load_config([os.path.join(ROOT, "config", f"vanilla_{size}.py")])
         assert grow.final_depth(step) == grow.final_depth(vanilla) and grow.stage_count(vanilla) == 1
         assert sum(step.stage_tokens) == sum(vanilla.stage_tokens)
         same = {k for k in ("n_embd", "n_head", "ffn_hidden", "block_size", "batch_size",
-                            "gradient_accumulation_steps")}
+                            "gradient_accumulation_steps", "optimizer", "activation_checkpointing",
+                            "loss_chunk")}
         assert {k: getattr(step, k) for k in same} == {k: getattr(vanilla, k) for k in same}
 
 

@@ -20,6 +20,7 @@ from downstream import sft
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from data.prepare import prepare
+from tests.helpers import HANG
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
@@ -55,7 +56,7 @@ def runs(tmp_path_factory):
 
 def run(script, *args, cwd, ok=True):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG)
     assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
     return proc
 
@@ -145,7 +146,7 @@ def test_pipeline_commands(runs, tmp_path):
             env = dict(ENV, **dict(c.split("=", 1) for c in cmd[:2]))
             lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
             proc = subprocess.run([lm_eval, *cmd[3:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=600)
+                                  timeout=HANG)
             assert proc.returncode == 0, proc.stderr[-3000:]
         printed.append(proc.stdout)
     ours = float(re.search(r"bits per byte of out-step-small \(ours, lm-eval's windows\): ([\d.]+)",

@@ -25,7 +25,7 @@ from stepgpt.errors import UserError  # noqa: E402
 from data.load import get_tokenizer  # noqa: E402
 from data.prepare import CACHE_DIR, shakespeare_documents  # noqa: E402
 from model import GPT, FrozenLoRALinear  # noqa: E402
-from tests.helpers import write_dataset  # noqa: E402
+from tests.helpers import HANG, write_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 257   # 256 byte ranks + <|endoftext|>: the smallest valid cut of cl100k, so the tokenizer exports too
@@ -389,6 +389,6 @@ def test_readme_commands(runs, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), os.path.join(ROOT, cmd[2]),
                            *cmd[3:], *TINY, "--data_dir=data", "--stage_layers=[2,1]",
                            "--stage_tokens=[128,128]", "--eval_interval=2"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert load_checkpoint(str(tmp_path / "out-step-grown"))["model_args"]["n_layer"] == 3

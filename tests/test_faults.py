@@ -17,7 +17,7 @@ from stepgpt import checkpoint
 import train
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
-from tests.helpers import write_dataset
+from tests.helpers import HANG, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
@@ -100,19 +100,22 @@ def paused(out, data, tmp_path, **at):
     return proc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
+def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path):
+    """SIGTERM at step 9, then SIGINT at step 20 of the resumed run: each time the step finishes, a
+    checkpoint is saved, one line says how to continue, exit status 0; the run resumed to its end
+    is the straight one."""
     _, data = straight
     out = tmp_path / "out"
-    proc = paused(out, data, tmp_path, step=9)
-    proc.send_signal(sig)
-    rest, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
-    assert f"stopped by {signal.Signals(sig).name} after step 9:" in line and "--init_from=resume" in line
-    assert load_checkpoint(str(out))["iter_num"] == 9
+    for sig, step in ((signal.SIGTERM, 9), (signal.SIGINT, 20)):
+        proc = paused(out, data, tmp_path, step=step)
+        proc.send_signal(sig)
+        rest, err = proc.communicate(timeout=HANG)
+        assert proc.returncode == 0, err
+        line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
+        assert f"stopped by {sig.name} after step {step}:" in line and "--init_from=resume" in line
+        assert load_checkpoint(str(out))["iter_num"] == step
     proc = start(out, data, "train.py")
-    proc.communicate(timeout=300)
+    proc.communicate(timeout=HANG)
     assert proc.returncode == 0
     same_final_state(straight[0] / "straight", out)
 
@@ -135,7 +138,7 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
             torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))
     assert torn == 2
     proc = start(out, data, "train.py")
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG)
     assert proc.returncode == 0, err
     same_final_state(straight[0] / "straight", out)
 
@@ -177,7 +180,7 @@ def test_unwritable_out_dir_is_one_line_before_any_work(straight, tmp_path):
     blocker.write_text("a file where the folder should be")
     proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}",
                            f"--out_dir={blocker / 'run'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "is not writable" in proc.stderr and "choose another --out_dir" in proc.stderr
 
@@ -197,7 +200,7 @@ def test_a_file_size_limit_at_save_time_is_one_line_and_keeps_the_previous_check
     train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}", "--stop_at=6"])
     size = os.path.getsize(checkpoint_files(str(out))[0])
     proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}", f"--out_dir={out}",
-                           "--init_from=resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--init_from=resume"], cwd=ROOT, capture_output=True, text=True, timeout=HANG,
                           preexec_fn=limited(size // 2))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert re.search(r"could not write checkpoint .*ckpt-00000012.pt \(File too large\): it needs about "
@@ -214,10 +217,10 @@ def test_a_prepare_that_hits_a_file_size_limit_leaves_the_earlier_folder_usable(
     out = tmp_path / "data"
     cmd = [sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}", "--vocab_ranks=512",
            "--workers=1"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=HANG)
     before = {n: (out / n).read_bytes() for n in ("meta.json", "train.bin", "val.bin")}
     proc = subprocess.run(cmd[:-2] + ["--vocab_ranks=300", "--workers=1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, preexec_fn=limited(2000))
+                          text=True, timeout=HANG, preexec_fn=limited(2000))
     last = proc.stderr.strip().splitlines()[-1]   # after tqdm's progress bar
     assert proc.returncode != 0 and last.startswith("error: could not write") and "tokens.tmp" in last, \
         proc.stderr[-2000:]
@@ -236,7 +239,7 @@ def test_a_second_prepare_into_a_folder_being_prepared_stops_or_waits(tmp_path):
     with FolderLock(str(out), "prepare.lock", "the data folder", "another --out"):
         proc = subprocess.run([sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}",
                                "--vocab_ranks=512", "--workers=1"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=HANG)
         assert sorted(os.listdir(out)) == ["prepare.lock"]
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "is in use by another process (pid" in proc.stderr and "prepare into another --out" in proc.stderr
@@ -247,5 +250,5 @@ def test_a_second_prepare_into_a_folder_being_prepared_stops_or_waits(tmp_path):
         user = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert user.stdout.readline().startswith("waiting for the process that holds the data folder")
         write_dataset(str(out))                          # what the first process prepares
-    rest, _ = user.communicate(timeout=300)
+    rest, _ = user.communicate(timeout=HANG)
     assert user.returncode == 0 and rest.strip() == "synthetic test data"   # taken, not prepared again

@@ -19,7 +19,7 @@ import frozen_linear
 from model import quantize_int8
 from stepgpt import kernels
 from stepgpt.kernels import frozen_lora
-from tests.helpers import needs_interpreter
+from tests.helpers import HANG, needs_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -405,7 +405,7 @@ def test_under_ddp_rank_0s_measured_choice_holds_on_every_rank(tmp_path):
     """))
     env = {**os.environ, "TRITON_INTERPRET": "1", "STEP_KERNELS": "triton"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script)], capture_output=True, text=True, timeout=300,
+                           "--nproc_per_node=2", str(script)], capture_output=True, text=True, timeout=HANG,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0: hybrid" in proc.stdout and "rank 1: hybrid" in proc.stdout, proc.stdout

@@ -16,7 +16,7 @@ from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from model import GPT
-from tests.helpers import tiny_config, write_dataset
+from tests.helpers import HANG, tiny_config, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
@@ -49,7 +49,7 @@ def straight_and_resumed(tmp_path, common, stop):
 
 def run_cli(*argv):
     return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG)
 
 
 # -- schedule and optimizer -----------------------------------------------------------------------
@@ -241,13 +241,13 @@ def test_sample_grow_and_plan_clis(tmp_path):
     ckpt = str(tmp_path / "out")                           # a run folder: its newest checkpoint
     proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={ckpt}", "--max_new_tokens=20",
                            "--prompt=To be"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert (proc.returncode == 0 and proc.stdout.startswith("To be")
             and len(proc.stdout) > len("To be")), proc.stderr
     grown = str(tmp_path / "grown.pt")
     proc = subprocess.run([sys.executable, "grow.py", ckpt, "--add=2", "--init=zero", "--freeze",
                            f"--out={grown}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0 and "from 2 to 4 layers" in proc.stdout, proc.stderr
     # upper placement of 2 new layers on 2 old ones: both above the top layer
     assert tuple(load_checkpoint(grown)["model_args"]["frozen_layers"]) == (0, 1)
@@ -255,7 +255,7 @@ def test_sample_grow_and_plan_clis(tmp_path):
     train.main(args(out2, "--max_iters=4", "--eval_interval=2", f"--init_from={grown}", data=data))
     assert final_state(out2)["model_args"]["n_layer"] == 4
     proc = subprocess.run([sys.executable, "plan.py", "config/step_350m.py"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG)
     assert (proc.returncode == 0 and "[13, 11]" in proc.stdout
             and "int8 + 8-bit AdamW" in proc.stdout), proc.stderr
 
