@@ -189,24 +189,30 @@ def one_line_error(proc, message):
 
 @pytest.mark.slow
 def test_cli_bad_inputs(tmp_path):
+    """Each a UserError before any work; the first as a user sees it (one line, exit status 2, which
+    run_cli makes of every UserError), the others in-process."""
     out = f"--out_dir={tmp_path / 'out'}"
     one_line_error(run_cli("--no_such_key=1"), "unknown config key")
-    one_line_error(run_cli(*TINY, f"--data_dir={tmp_path / 'nodata'}", out), "no prepared data")
+
+    def refused(message, *argv):
+        with pytest.raises(UserError, match=message):
+            train.main([*TINY, *argv])
+
+    refused("no prepared data", f"--data_dir={tmp_path / 'nodata'}", out)
     empty = write_dataset(tmp_path / "empty")
     open(os.path.join(empty, "val.bin"), "wb").close()
-    one_line_error(run_cli(*TINY, f"--data_dir={empty}", out), "missing or empty")
+    refused("missing or empty", f"--data_dir={empty}", out)
     bad_ids = write_dataset(tmp_path / "ids", top=500)
-    one_line_error(run_cli(*TINY, f"--data_dir={bad_ids}", out), "token id 500 >= vocab size 100")
+    refused("token id 500 >= vocab size 100", f"--data_dir={bad_ids}", out)
     short = write_dataset(tmp_path / "short", n_val=10)
-    one_line_error(run_cli(*TINY, f"--data_dir={short}", out), "not more than block_size")
+    refused("not more than block_size", f"--data_dir={short}", out)
     data = write_dataset(tmp_path / "data")
-    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no checkpoint")
+    refused("no checkpoint", f"--data_dir={data}", out, "--init_from=resume")
     os.makedirs(tmp_path / "out", exist_ok=True)
     (tmp_path / "out" / "ckpt-00000010.pt").write_bytes(b"not a checkpoint at all")
-    one_line_error(run_cli(*TINY, f"--data_dir={data}", out, "--init_from=resume"), "no step-gpt header")
-    one_line_error(run_cli(*TINY, f"--data_dir={data}",
-                           f"--out_dir={tmp_path / 'out' / 'ckpt-00000010.pt' / 'sub'}"),
-                   "is not writable")
+    refused("no step-gpt header", f"--data_dir={data}", out, "--init_from=resume")
+    blocked = tmp_path / "out" / "ckpt-00000010.pt" / "sub"
+    refused("is not writable", f"--data_dir={data}", f"--out_dir={blocked}")
 
 
 def test_resume_with_another_model_config_is_refused(tmp_path):
