@@ -221,14 +221,16 @@ def test_a_folder_that_does_not_fit_the_config_names_the_first_field(runs, tmp_p
     assert str(e.value).startswith(f"hf:{folder} does not fit the run's config: {message}")
 
 
-@pytest.mark.slow
 def test_a_misfit_is_one_line_from_the_cli(runs, tmp_path):
+    """train.main as the command line calls it: the UserError that run_cli prints as one line
+    (tests/test_train.py::test_cli_bad_inputs shows that line printed), before any step."""
     _, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "train.py", *TINY, f"--data_dir={runs / 'data'}",
-                           f"--out_dir={tmp_path}", "--n_layer=2", "--n_embd=64", f"--init_from=hf:{out}"],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr == (f"error: hf:{out} does not fit the run's config: "
-                                                    "its hidden_size=32 but n_embd=64: set --n_embd=32\n")
+    with pytest.raises(UserError) as e:
+        train.main([*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2",
+                    "--n_embd=64", f"--init_from=hf:{out}"])
+    assert str(e.value) == (f"hf:{out} does not fit the run's config: its hidden_size=32 but n_embd=64: "
+                            "set --n_embd=32")
+    assert not os.path.exists(tmp_path / "run") or not glob.glob(str(tmp_path / "run" / "ckpt-*"))
 
 
 def test_bad_folders(runs, tmp_path):
@@ -250,13 +252,11 @@ def test_bad_folders(runs, tmp_path):
         load_config([f"--init_from=hf:{tmp_path / 'nowhere'}"])
 
 
-@pytest.mark.slow
 def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, tmp_path, monkeypatch):
     model, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "export_hf.py", str(runs / "vanilla"), out], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert (proc.returncode == 2
-            and f"error: {out} exists: remove it or choose another output folder" in proc.stderr)
+    refused = f"^{re.escape(out)} exists: remove it or choose another output folder$"
+    with pytest.raises(UserError, match=refused):
+        export_hf.main([str(runs / "vanilla"), out])   # run_cli's one line
     target = str(tmp_path / "hf")
 
     def killed(*a):
