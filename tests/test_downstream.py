@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import textwrap
 import subprocess
 import sys
@@ -126,29 +127,37 @@ def pipeline_commands():
     return [shlex.split(line) for line in block.replace("\\\n", "").splitlines()]
 
 
-def test_pipeline_commands(runs, tmp_path):
-    """Each command as the docstring (and the README) gives it, in a folder laid out as the
-    repository with a tiny run under the names used there; lm-eval's bits per byte is ours. The
-    tuned model is a folder transformers loads, with Alpaca's prompt as its chat template."""
-    os.symlink(runs / "step", tmp_path / "out-step-small")
-    os.makedirs(tmp_path / "data")
-    os.symlink(runs / "data", tmp_path / "data" / "shakespeare")
+@pytest.fixture(scope="module")
+def pipeline(runs, tmp_path_factory):
+    """The pipeline's commands as the docstring (and the README) gives them, in a folder laid out as
+    the repository with the STEP run under the name used there: -> the folder and what each printed."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    os.symlink(runs / "step", folder / "out-step-small")
+    os.makedirs(folder / "data")
+    os.symlink(runs / "data", folder / "data" / "shakespeare")
     for name in ("downstream", "tests"):
-        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+        os.symlink(os.path.join(ROOT, name), folder / name)
     commands = pipeline_commands()
     assert [c[0] if c[0] == "python" else c[2] for c in commands] == ["python", "python", "lm_eval", "python",
                                                                        "lm_eval"]
     printed = []
     for cmd in commands:
         if cmd[0] == "python":
-            proc = run(cmd[1], *cmd[2:], cwd=tmp_path)
+            proc = run(cmd[1], *cmd[2:], cwd=folder)
         else:   # VAR=value ... lm_eval ...: the console script, as a user starts it
             env = dict(ENV, **dict(c.split("=", 1) for c in cmd[:2]))
             lm_eval = os.path.join(os.path.dirname(sys.executable), "lm_eval")
-            proc = subprocess.run([lm_eval, *cmd[3:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+            proc = subprocess.run([lm_eval, *cmd[3:]], cwd=folder, env=env, capture_output=True, text=True,
                                   timeout=HANG)
             assert proc.returncode == 0, proc.stderr[-3000:]
         printed.append(proc.stdout)
+    return folder, printed
+
+
+def test_pipeline_commands(pipeline):
+    """Each command runs; lm-eval's bits per byte is ours. The tuned model is a folder transformers
+    loads, with Alpaca's prompt as its chat template."""
+    tmp_path, printed = pipeline
     ours = float(re.search(r"bits per byte of out-step-small \(ours, lm-eval's windows\): ([\d.]+)",
                            printed[1]).group(1))
     base, tuned = lm_eval_table(printed[2]), lm_eval_table(printed[4])
@@ -183,21 +192,26 @@ def lm_eval_table(stdout):
 
 # -- the comparison ------------------------------------------------------------------------------
 
-def test_downstream_table_parity_and_rerun(runs, tmp_path):
+def test_downstream_table_parity_and_rerun(runs, pipeline, tmp_path):
     """downstream/compare.py as its docstring runs it, scaled down (tiny runs, one epoch of tuning):
     a row per model before and after tuning; lm-eval's bits per byte of each pre-trained export
-    equals ours on the same documents to 1e-4 (relative); a second run redoes nothing."""
+    equals ours on the same documents to 1e-4 (relative); a step whose output is there is skipped.
+    The STEP run's export and tuned model are the pipeline's (3 epochs), put where compare.py would
+    write them: it takes them and makes the others; a second run redoes nothing."""
+    shutil.copytree(pipeline[0] / "hf-step-small", tmp_path / "ds" / "hf-step")
+    shutil.copytree(pipeline[0] / "sft-step-small", tmp_path / "ds" / "sft-step")
     argv = ["downstream/compare.py", str(runs / "vanilla"), str(runs / "step"), "--sft_args=--epochs 1",
             f"--out={tmp_path / 'ds'}"]
     first = run(*argv, cwd=tmp_path).stdout
+    assert first.count("done before") == 2 and "step: SFT: done before" in first
     results = json.loads((tmp_path / "ds" / "results.json").read_text())
     rows = {r["name"]: r for r in results["rows"]}
     assert list(rows) == ["vanilla", "vanilla + SFT", "step", "step + SFT"]
     assert results["tasks"] == ["step_val", "step_mc"]
-    for name in ("vanilla", "step"):
+    for name, steps in (("vanilla", 17), ("step", 51)):
         theirs = rows[name]["eval"]["step_val"]["bits_per_byte"]
         assert abs(theirs - rows[name]["ours"]) <= 1e-4 * rows[name]["ours"], (name, theirs)
-        assert rows[f"{name} + SFT"]["sft"]["steps"] == 17
+        assert rows[f"{name} + SFT"]["sft"]["steps"] == steps
         for row in (rows[name], rows[f"{name} + SFT"]):
             assert 0 <= row["eval"]["step_mc"]["acc"] <= 1 and 0 <= row["eval"]["step_mc"]["acc_norm"] <= 1
     table = (tmp_path / "ds" / "table.md").read_text().splitlines()
