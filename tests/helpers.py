@@ -7,6 +7,10 @@ import pytest
 
 from model import GPTConfig
 
+# a subprocess's hang guard, not a time limit: the slowest of them takes ~1.5 min on an idle 2-core
+# box and over 10 min under a load of 14 (measured); a verdict must not depend on how busy it is
+HANG = 1800
+
 TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=16)
 
 

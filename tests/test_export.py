@@ -25,7 +25,7 @@ from stepgpt.errors import UserError, run_cli  # noqa: E402
 from data.load import get_tokenizer  # noqa: E402
 from data.prepare import CACHE_DIR, shakespeare_documents  # noqa: E402
 from model import GPT, FrozenLoRALinear  # noqa: E402
-from tests.helpers import write_dataset  # noqa: E402
+from tests.helpers import HANG, write_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 257   # 256 byte ranks + <|endoftext|>: the smallest valid cut of cl100k, so the tokenizer exports too
@@ -221,14 +221,16 @@ def test_a_folder_that_does_not_fit_the_config_names_the_first_field(runs, tmp_p
     assert str(e.value).startswith(f"hf:{folder} does not fit the run's config: {message}")
 
 
-@pytest.mark.slow
 def test_a_misfit_is_one_line_from_the_cli(runs, tmp_path):
+    """train.main as the command line calls it: the UserError that run_cli prints as one line
+    (tests/test_train.py::test_cli_bad_inputs shows that line printed), before any step."""
     _, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "train.py", *TINY, f"--data_dir={runs / 'data'}",
-                           f"--out_dir={tmp_path}", "--n_layer=2", "--n_embd=64", f"--init_from=hf:{out}"],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr == (f"error: hf:{out} does not fit the run's config: "
-                                                    "its hidden_size=32 but n_embd=64: set --n_embd=32\n")
+    with pytest.raises(UserError) as e:
+        train.main([*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2",
+                    "--n_embd=64", f"--init_from=hf:{out}"])
+    assert str(e.value) == (f"hf:{out} does not fit the run's config: its hidden_size=32 but n_embd=64: "
+                            "set --n_embd=32")
+    assert not os.path.exists(tmp_path / "run") or not glob.glob(str(tmp_path / "run" / "ckpt-*"))
 
 
 def test_bad_folders(runs, tmp_path):
@@ -299,13 +301,11 @@ def test_a_config_json_that_is_not_json_is_one_line_from_train_py(runs, tmp_path
                                          f"damaged: export it again\n")
 
 
-@pytest.mark.slow
 def test_export_refuses_an_existing_folder_and_leaves_none_when_it_fails(runs, tmp_path, monkeypatch):
     model, out = exported(runs, "vanilla")
-    proc = subprocess.run([sys.executable, "export_hf.py", str(runs / "vanilla"), out], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert (proc.returncode == 2
-            and f"error: {out} exists: remove it or choose another output folder" in proc.stderr)
+    refused = f"^{re.escape(out)} exists: remove it or choose another output folder$"
+    with pytest.raises(UserError, match=refused):
+        export_hf.main([str(runs / "vanilla"), out])   # run_cli's one line
     target = str(tmp_path / "hf")
 
     def killed(*a):
@@ -438,6 +438,6 @@ def test_readme_commands(runs, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), os.path.join(ROOT, cmd[2]),
                            *cmd[3:], *TINY, "--data_dir=data", "--stage_layers=[2,1]",
                            "--stage_tokens=[128,128]", "--eval_interval=2"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert load_checkpoint(str(tmp_path / "out-step-grown"))["model_args"]["n_layer"] == 3

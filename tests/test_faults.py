@@ -17,7 +17,7 @@ from stepgpt import checkpoint, monitor
 import train
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.errors import UserError
-from tests.helpers import write_dataset
+from tests.helpers import HANG, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
 
@@ -27,23 +27,39 @@ RUN = ["--device=cpu",
        "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=3",
        "--stage_warmup_iters=2", "--stage_layers=[1, 1]", "--max_iters=40", "--eval_interval=6",
        "--relora_every=7", "--keep_checkpoints=2"]
-# a wrapper that makes checkpoint writes slow and announces them, so a kill can land inside one
-# (the first save of each process only, to keep the test short)
-SLOW_SAVE = (
+# train.py with a pause at a chosen point, so that the test's signal or kill lands there however
+# busy the machine is. PAUSE_STEP=k: after the log line of step k, until a SIGTERM or SIGINT (which
+# the run then handles) or a SIGKILL. PAUSE_SAVE=n: inside the process's first checkpoint write,
+# after n bytes of it, until killed. It creates PAUSE_MARK when it pauses.
+PAUSE = (
     "import os, sys, time\n"
     f"sys.path.insert(0, {ROOT!r})\n"
-    "import train\nfrom stepgpt import checkpoint, errors\n"
-    "write, saves = checkpoint._HashingWriter.write, []\n"
+    "import train\nfrom stepgpt import checkpoint, errors, monitor, runtime\n"
+    "step, save = int(os.environ.get('PAUSE_STEP', -1)), int(os.environ.get('PAUSE_SAVE', -1))\n"
+    "signalled, written = [], []\n"
+    "def pause():\n"
+    "    open(os.environ['PAUSE_MARK'], 'w').close()\n"
+    "    while not signalled:\n"
+    "        time.sleep(0.01)\n"
+    "handle = runtime.StopRequest.handle\n"
+    "def handled(self, *a):\n"
+    "    handle(self, *a)\n"
+    "    signalled.append(1)\n"
+    "log = monitor.Logger.print\n"
+    "def logged(self, *a, **k):\n"
+    "    log(self, *a, **k)\n"
+    "    if str(a[0]).startswith(f'step {step:>6}/'):\n"
+    "        pause()\n"
+    "write = checkpoint._HashingWriter.write\n"
     "def slow(self, b):\n"
-    "    if not saves:\n"
-    "        open(os.environ['SAVE_MARK'], 'w').close()\n"
-    "        time.sleep(0.02)\n"
-    "    return write(self, b)\n"
-    "save = checkpoint.save_checkpoint\n"
-    "def counted(*a, **k):\n"
-    "    save(*a, **k)\n"
-    "    saves.append(1)\n"
-    "checkpoint._HashingWriter.write, checkpoint.save_checkpoint = slow, counted\n"
+    "    n = write(self, b)\n"
+    "    written.append(len(b))\n"
+    "    if 0 <= save < sum(written):\n"
+    "        self.f.flush()\n"
+    "        pause()\n"
+    "    return n\n"
+    "runtime.StopRequest.handle, monitor.Logger.print = handled, logged\n"
+    "checkpoint._HashingWriter.write = slow\n"
     "errors.run_cli(train.main)\n")
 
 
@@ -70,28 +86,36 @@ def start(out, data, script, env=None):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_for_step(proc, step):
-    for line in proc.stdout:
-        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
-            return True
-    return False
+def paused(out, data, tmp_path, **at):
+    """train.py, resumed if out holds a checkpoint, started with PAUSE at `at` (PAUSE_STEP=k or
+    PAUSE_SAVE=n); -> the process once it has paused there, or has ended."""
+    mark = tmp_path / "paused"
+    if mark.exists():
+        mark.unlink()
+    (tmp_path / "pause.py").write_text(PAUSE)
+    env = {**os.environ, "PAUSE_MARK": str(mark), **{f"PAUSE_{k.upper()}": str(v) for k, v in at.items()}}
+    proc = start(out, data, str(tmp_path / "pause.py"), env)
+    while not mark.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    return proc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
+def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path):
+    """SIGTERM at step 9, then SIGINT at step 20 of the resumed run: each time the step finishes, a
+    checkpoint is saved, one line says how to continue, exit status 0; the run resumed to its end
+    is the straight one."""
     _, data = straight
     out = tmp_path / "out"
+    for sig, step in ((signal.SIGTERM, 9), (signal.SIGINT, 20)):
+        proc = paused(out, data, tmp_path, step=step)
+        proc.send_signal(sig)
+        rest, err = proc.communicate(timeout=HANG)
+        assert proc.returncode == 0, err
+        line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
+        assert f"stopped by {sig.name} after step {step}:" in line and "--init_from=resume" in line
+        assert load_checkpoint(str(out))["iter_num"] == step
     proc = start(out, data, "train.py")
-    assert wait_for_step(proc, 9)
-    proc.send_signal(sig)
-    rest, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
-    assert f"stopped by {signal.Signals(sig).name} after step" in line and "--init_from=resume" in line
-    step = int(line.split("after step ")[1].split(":")[0])
-    assert 9 <= step < 40 and load_checkpoint(str(out))["iter_num"] == step
-    proc = start(out, data, "train.py")
-    proc.communicate(timeout=300)
+    proc.communicate(timeout=HANG)
     assert proc.returncode == 0
     same_final_state(straight[0] / "straight", out)
 
@@ -99,31 +123,22 @@ def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path, sig):
 def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
     """Killed at random steps and twice while a checkpoint is half written; each time resumed."""
     _, data = straight
-    out, mark = tmp_path / "out", tmp_path / "saving"
-    wrapper = tmp_path / "slow_save.py"
-    wrapper.write_text(SLOW_SAVE)
-    env = {**os.environ, "SAVE_MARK": str(mark)}
+    out = tmp_path / "out"
+    size = os.path.getsize(checkpoint_files(str(straight[0] / "straight"))[0])
     rng = random.Random(0)
-    kills, torn = 0, 0
-    for kind in ["step", "save", "step", "save", "step"]:
-        proc = start(out, data, str(wrapper), env)
-        if kind == "save":
-            while not mark.exists() and proc.poll() is None:
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.05, 0.3))          # somewhere inside the write
-        else:
-            wait_for_step(proc, rng.randint(1, 35))
-        if proc.poll() is None:
-            proc.kill()
-            kills += 1
+    torn = 0
+    for kind in ["step", "save", "step", "save"]:
+        done = load_checkpoint(str(out))["iter_num"] if checkpoint_files(str(out)) else 0
+        at = dict(save=rng.randint(1, size // 2)) if kind == "save" else dict(step=rng.randint(done + 1, 39))
+        proc = paused(out, data, tmp_path, **at)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.kill()
         proc.communicate()
-        if kind == "save":
-            torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the kill landed inside a write
-        if mark.exists():
-            mark.unlink()
-    assert kills >= 4 and torn == 2
+        if kind == "save":   # the kill landed inside the write
+            torn += any(n.endswith(".pt.tmp") for n in os.listdir(out))
+    assert torn == 2
     proc = start(out, data, "train.py")
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG)
     assert proc.returncode == 0, err
     same_final_state(straight[0] / "straight", out)
 
@@ -165,7 +180,7 @@ def test_unwritable_out_dir_is_one_line_before_any_work(straight, tmp_path):
     blocker.write_text("a file where the folder should be")
     proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}",
                            f"--out_dir={blocker / 'run'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "is not writable" in proc.stderr and "choose another --out_dir" in proc.stderr
 
@@ -185,7 +200,7 @@ def test_a_file_size_limit_at_save_time_is_one_line_and_keeps_the_previous_check
     train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}", "--stop_at=6"])
     size = os.path.getsize(checkpoint_files(str(out))[0])
     proc = subprocess.run([sys.executable, "train.py", *RUN, f"--data_dir={data}", f"--out_dir={out}",
-                           "--init_from=resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--init_from=resume"], cwd=ROOT, capture_output=True, text=True, timeout=HANG,
                           preexec_fn=limited(size // 2))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert re.search(r"could not write checkpoint .*ckpt-00000012.pt \(File too large\): it needs about "
@@ -238,10 +253,10 @@ def test_a_prepare_that_hits_a_file_size_limit_leaves_the_earlier_folder_usable(
     out = tmp_path / "data"
     cmd = [sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}", "--vocab_ranks=512",
            "--workers=1"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=HANG)
     before = {n: (out / n).read_bytes() for n in ("meta.json", "train.bin", "val.bin")}
     proc = subprocess.run(cmd[:-2] + ["--vocab_ranks=300", "--workers=1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, preexec_fn=limited(2000))
+                          text=True, timeout=HANG, preexec_fn=limited(2000))
     last = proc.stderr.strip().splitlines()[-1]   # after tqdm's progress bar
     assert proc.returncode != 0 and last.startswith("error: could not write") and "tokens.tmp" in last, \
         proc.stderr[-2000:]
@@ -260,7 +275,7 @@ def test_a_second_prepare_into_a_folder_being_prepared_stops_or_waits(tmp_path):
     with FolderLock(str(out), "prepare.lock", "the data folder", "another --out"):
         proc = subprocess.run([sys.executable, "data/prepare.py", f"--source={texts}", f"--out={out}",
                                "--vocab_ranks=512", "--workers=1"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=HANG)
         assert sorted(os.listdir(out)) == ["prepare.lock"]
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "is in use by another process (pid" in proc.stderr and "prepare into another --out" in proc.stderr
@@ -271,5 +286,5 @@ def test_a_second_prepare_into_a_folder_being_prepared_stops_or_waits(tmp_path):
         user = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert user.stdout.readline().startswith("waiting for the process that holds the data folder")
         write_dataset(str(out))                          # what the first process prepares
-    rest, _ = user.communicate(timeout=300)
+    rest, _ = user.communicate(timeout=HANG)
     assert user.returncode == 0 and rest.strip() == "synthetic test data"   # taken, not prepared again

@@ -13,7 +13,7 @@ import pytest
 
 import train
 from stepgpt.config import load_config
-from tests.helpers import write_dataset
+from tests.helpers import HANG, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEARNERS_PATH = ("model.py", "frozen_linear.py", "grow.py", "train.py")
@@ -157,8 +157,8 @@ def test_no_module_of_ours_shadows_an_installed_one_or_another_of_ours():
     pytest.importorskip("transformers")
     code = ("import kernels, transformers, bitsandbytes; from transformers import LlamaForCausalLM; "
             "assert 'site-packages' in kernels.__file__, kernels.__file__; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
