@@ -18,8 +18,8 @@ SET_UP = {"python -m venv .venv", ". .venv/bin/activate", "pip install -r requir
 # runs it, or checked where it cannot run here); each: the command as shown -> "tests/FILE.py::TEST: how".
 OTHER_FORM = {
     "python train.py config/step_small.py":
-        "tests/test_bench.py::test_gpu_check_smoke_runs_every_command: bench/gpu_check.sh's train step runs "
-        "it (SMOKE=1: scaled down in size)",
+        "tests/test_bench.py::test_gpu_check_as_two_offline_jobs_then_a_batch_job: gpu_check.sh's train "
+        "step runs it (SMOKE=1: scaled down in size)",
     "python train.py config/vanilla_small.py":
         "tests/test_ddp.py::test_shipped_config_accumulation_pattern_on_two_ranks: every shipped config, "
         "scaled down, on two ranks",
