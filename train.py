@@ -252,7 +252,7 @@ def enter_stage(run, raw, opt, stage, it):
     def transition(model):   # STEP's: merge, grow, freeze
         grow.next_stage(model, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
                         train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
-    if cfg.fsdp:   # on a copy gathered to rank 0's CPU; the grown model is then sharded anew
+    if cfg.fsdp:   # on each rank's own rows, by the same code; the grown model is then sharded anew
         raw = sharding.next_stage(run, raw, opt, transition)
     else:
         transition(raw)

@@ -6,6 +6,7 @@ row scales under the bf16 policy), a compiled block has no graph break. Under to
 same run as one process through a growth and ReLoRA restarts, checkpoints that move between 1
 process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and docs/distributed.md's command
 as written, scaled down in size only."""
+import functools
 import json
 import os
 import pickle
@@ -76,12 +77,15 @@ def _rank_checks(rank, port, out):
         reference = GPT(CFG).state_dict()
         found["init equals one process"] = (state.keys() == reference.keys()
                                             and all(torch.equal(state[k], reference[k]) for k in state))
-    # a stage boundary (grow 2 layers, freeze 6) on rank 0's gathered copy, then sharded anew
+    # a stage boundary (grow 2 layers, freeze 6) on each rank's rows, then sharded anew
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(rank))
     model(idx, idx)[1].backward()
     opt.step()
-    model = sharding.next_stage(run, model, opt, lambda m: grow.next_stage(m, 2, seed=5))
+    grown = []
+    found["peak of a boundary / whole"] = cpu_peak(lambda: grown.append(
+        sharding.next_stage(run, model, opt, lambda m: grow.next_stage(m, 2, seed=5)))) / whole
+    model = grown[0]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model(idx, idx)[1].backward()
     opt.step()
@@ -139,12 +143,67 @@ def _rank_checks(rank, port, out):
         found["replica check"] = "passed"
     except RuntimeError as e:
         found["replica check"] = str(e)
+    found.update(_boundary_checks(run, rank))
     everything = [None] * WORLD
     dist.all_gather_object(everything, found)
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(everything, f)
     dist.destroy_process_group()
+
+
+# the boundary's cases: (grow_init, grow_where, merge_rounding, train_embeddings, frozen_dtype), each value
+# of each with each of the others at least once, every rounding with both stores
+BOUNDARIES = [("mean", "upper", "nearest", True, "int8"), ("mean", "random", "stochastic", False, "bf16"),
+              ("copy", "upper", "stochastic", True, "bf16"), ("copy", "random", "nearest", False, "int8"),
+              ("zero", "upper", "stochastic", False, "int8"), ("zero", "random", "nearest", True, "bf16"),
+              ("stack", "upper", "nearest", False, "bf16"), ("stack", "random", "stochastic", True, "int8")]
+# 3 layers, the first frozen; 41 hidden units and rank 3 split unevenly over 2 ranks (21 + 20, 2 + 1 rows)
+BCFG = replace(CFG, n_layer=3, ffn_hidden=41, lora_rank=3, frozen_layers=(0,))
+
+
+def _trained(cfg, seed):
+    """GPT(cfg) as if trained a while: adapters that are not zero, norms that are not ones."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(std=0.05)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+    return model
+
+
+def _relora(seed, model):
+    model.merge_adapters("stochastic", torch.Generator().manual_seed(seed))
+
+
+def _boundary_checks(run, rank):
+    """Each boundary of BOUNDARIES (grow 2 layers) and a stochastic ReLoRA merge on each rank's rows,
+    against grow.next_stage (merge_adapters) on the same model whole, on rank 0: {case: (every tensor
+    bit for bit equal, the same config, the merge sums within rounding)}."""
+    found = {}
+    for i, (init, where, rounding, keep, dtype) in enumerate(BOUNDARIES + [("relora",) * 4 + ("int8",)]):
+        plain = _trained(replace(BCFG, frozen_dtype=dtype, tie_embeddings=i == 7), i)   # 7: tied too
+        model = sharding.from_state(run, plain.config, plain.state_dict())
+        if init == "relora":
+            merge = functools.partial(_relora, i)
+            sharding.merge_in_place(model, merge)
+        else:
+            merge = functools.partial(grow.next_stage, n_new=2, init=init, where=where, seed=7 + i,
+                                      train_embeddings=keep, rounding=rounding)
+            model = sharding.next_stage(run, model, torch.optim.AdamW(model.parameters()), merge)
+        got = sharding.full_state(model)
+        if rank == 0:
+            merge(plain)
+            want = plain.state_dict()
+            same = got.keys() == want.keys() and all(
+                got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+            sums = torch.allclose(model.last_merge, plain.last_merge, rtol=1e-6)
+            found[f"boundary {init} {where} {rounding} {keep} {dtype}"] = (
+                same, model.config == plain.config, sums)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +236,18 @@ def test_a_model_built_from_scratch_is_never_whole_on_a_rank_and_equals_one_proc
         assert found["build peak / whole"] < 0.7, found["build peak / whole"]
         assert found["one process's build peak / whole"] >= 1.0
     assert ranks[0]["init equals one process"]   # GPT(cfg) from the same seed, tensor for tensor
+
+
+@pytest.mark.slow
+def test_a_boundary_on_each_rank_s_rows_equals_one_process_s_bit_for_bit(ranks):
+    """grow.next_stage run on each rank's own rows (sharding.next_stage) gives, gathered, what it
+    gives on the whole model: every init, both placements and roundings, with and without
+    train_embeddings, the int8 and bf16 stores; and a ReLoRA merge in place. No rank gathers the
+    model: each peaks below the whole model (the gathered path held all of it on rank 0)."""
+    cases = {k: v for k, v in ranks[0].items() if k.startswith("boundary ")}
+    assert len(cases) == len(BOUNDARIES) + 1 and all(v == (True, True, True) for v in cases.values()), cases
+    for found in ranks:
+        assert found["peak of a boundary / whole"] < 0.75, found["peak of a boundary / whole"]
 
 
 @pytest.mark.slow
@@ -213,7 +284,7 @@ def test_the_replica_check_stops_ranks_that_hold_another_model(ranks):
 
 @pytest.mark.parametrize("kw", [dict(frozen_layers=(0, 2)), dict(frozen_layers=(1,), frozen_dtype="bf16"),
                                 dict(frozen_layers=(0,), tie_embeddings=True, train_embeddings=False)])
-def test_the_meta_skeleton_is_gpt_s_tree_and_the_plain_copy_its_tensors(kw):
+def test_the_meta_skeleton_is_gpt_s_tree(kw):
     torch.manual_seed(0)
     cfg = replace(CFG, n_layer=3, **kw)
     model = GPT(cfg)
@@ -221,11 +292,7 @@ def test_the_meta_skeleton_is_gpt_s_tree_and_the_plain_copy_its_tensors(kw):
     assert all(p.is_meta for p in skeleton.parameters())
     tree = lambda m: [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()]  # noqa: E731
     assert tree(skeleton) == tree(model) and skeleton.config == model.config
-    plain = sharding.plain_model(cfg, model.state_dict())
-    assert tree(plain) == tree(model)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-    assert torch.equal(plain(idx, idx)[1], model(idx, idx)[1])
-    assert (plain.lm_head.weight is plain.wte.weight) == cfg.tie_embeddings
+    assert (skeleton.lm_head.weight is skeleton.wte.weight) == cfg.tie_embeddings
 
 
 def test_fsdp_with_zero1_another_optimizer_or_without_torchrun_is_refused_in_one_line(tmp_path):
