@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
@@ -179,12 +180,16 @@ def new_model(run, cfg):
 def from_state(run, ckpt, state=None):
     """A sharded GPT of a checkpoint's config (ckpt["model_args"], or a GPTConfig) holding `state` (by
     default ckpt["model"]), a full state dict that rank 0 holds (the other ranks' is not read): built
-    on the meta device, then each tensor broadcast from rank 0 in turn, each rank keeping its rows."""
+    on the meta device, then each tensor broadcast from rank 0 in turn, each rank keeping its rows.
+    A checkpoint folder's (ckpt["dcp"]): each rank reads its rows from the folder's files itself."""
     check(run)
     cfg = ckpt if isinstance(ckpt, GPTConfig) else GPTConfig.from_dict(ckpt["model_args"])
-    state = ckpt["model"] if state is None else state
     model = shard(run, skeleton(cfg))
     _materialise(run, model)
+    if isinstance(ckpt, dict) and "dcp" in ckpt:
+        dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt["dcp"])
+        return model
+    state = ckpt["model"] if state is None else state
     set_model_state_dict(model, state if run.master else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
@@ -283,9 +288,7 @@ def next_stage(run, model, opt, transition):
     state, made = {}, {}
     for name, p in new.state_dict(keep_vars=True).items():   # tied embeddings: two names, one parameter
         if id(p) not in made:
-            rows = DTensor.from_local(_mine(local, name, p), p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
-            made[id(p)] = nn.Parameter(rows, requires_grad=p.requires_grad)
+            made[id(p)] = nn.Parameter(_dtensor_like(_mine(local, name, p), p), requires_grad=p.requires_grad)
         state[name] = made[id(p)]
     new.load_state_dict(state, assign=True)
     _rope(run, new)
@@ -324,11 +327,20 @@ def full_optimizer_state(opt):
     return sd if master else None
 
 
-def load_optimizer(opt, sd):
-    """A full optimizer state dict that rank 0 read (the other ranks' is None) into the optimizer of a
-    sharded model: its layout broadcast, then each state tensor shaped like its parameter broadcast
-    whole in turn, each rank keeping its rows."""
+def load_optimizer(opt, ckpt):
+    """A checkpoint's optimizer state into the optimizer of a sharded model. A file's (ckpt["optimizer"],
+    a full state dict that rank 0 read; the other ranks' is None): its layout broadcast, then each
+    state tensor shaped like its parameter broadcast whole in turn, each rank keeping its rows. A
+    folder's (ckpt["dcp"]; its layout on every rank): each rank reads its rows from its files."""
     params = [p for group in opt.param_groups for p in group["params"]]
+    if "dcp" in ckpt:
+        state = {i: {k: _empty_like(v, params[i]) if is_spec(v) else v for k, v in s.items()}
+                 for i, s in ckpt["optimizer"]["state"].items()}
+        tensors = {i: {k: v for k, v in s.items() if torch.is_tensor(v)} for i, s in state.items()}
+        dcp.load({"optimizer": tensors}, checkpoint_id=ckpt["dcp"])
+        opt.load_state_dict({**ckpt["optimizer"], "state": state})
+        return
+    sd = ckpt["optimizer"]
     whole = lambda v, p: torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == p.shape  # noqa: E731
     layout = [None]
     if dist.get_rank() == 0:   # the state with each whole tensor as ("whole", shape, dtype)
@@ -345,10 +357,32 @@ def load_optimizer(opt, sd):
             full = (sd["state"][i][k].to(p.device) if sd is not None
                     else torch.empty(v[1], dtype=v[2], device=p.device))
             dist.broadcast(full, src=0)
-            mine = _local_rows(full, p)[1].clone()
-            state[i][k] = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
-                                             shape=p.shape, stride=p.stride())
+            state[i][k] = _dtensor_like(_local_rows(full, p)[1].clone(), p)
     opt.load_state_dict({**layout[0], "state": state})
+
+
+def spec(t):
+    """What a checkpoint folder's header holds in a tensor's place (DCP's files hold the tensor)."""
+    return ("tensor", tuple(t.shape), t.dtype)
+
+
+def is_spec(v):
+    return isinstance(v, tuple) and len(v) == 3 and v[0] == "tensor"
+
+
+def _dtensor_like(local, p):
+    """A DTensor sharded as the parameter p, around this rank's rows `local`."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def _empty_like(v, p):
+    """An empty tensor that a checkpoint folder's state tensor (spec v) is read into: sharded as the
+    parameter p where it is p's shape (AdamW's moments), else whole (its step)."""
+    _, shape, dtype = v
+    if isinstance(p, DTensor) and tuple(p.shape) == shape:
+        return _dtensor_like(torch.empty(p.to_local().shape, dtype=dtype, device=p.device), p)
+    return torch.empty(shape, dtype=dtype)
 
 
 def structure_digest(model):
