@@ -20,6 +20,7 @@ import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import grow
 from model import GPT, GPTConfig
 from stepgpt import sharding
-from stepgpt.checkpoint import load_checkpoint
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
@@ -55,10 +56,11 @@ def cpu_peak(fn):
     return max(live for _, live in cpu_allocation_timeline(fn))
 
 
-def _rank_checks(rank, port, out):
-    """Everything the quick tests assert, measured on one rank; rank 0 pickles what both found."""
+def _rank_checks(rank, ports, out, runs):
+    """Everything the slow in-process tests assert, measured on one rank; rank 0 pickles what both
+    found into `out`. Then train.py itself on these two ranks (_sharded_runs)."""
     from torch.distributed.tensor import DTensor
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     run = SimpleNamespace(device=torch.device("cpu"), world=WORLD, rank=rank, master=rank == 0,
                           dtype="float32", compiled=False, cfg=SimpleNamespace(eval_iters=2, eval_tokens=0))
@@ -136,6 +138,7 @@ def _rank_checks(rank, port, out):
     found["compiled block"] = (backend.frame_count, dict(counters["graph_break"]), ops)
     # the replica check compares the model's structure under FSDP: a rank that grew otherwise is stopped
     from stepgpt import runtime
+    config = model.config
     if rank == 1:   # as if rank 1 had frozen one layer fewer
         model.config = replace(model.config, frozen_layers=model.config.frozen_layers[:-1])
     try:
@@ -143,13 +146,16 @@ def _rank_checks(rank, port, out):
         found["replica check"] = "passed"
     except RuntimeError as e:
         found["replica check"] = str(e)
+    model.config = config
     found.update(_boundary_checks(run, rank))
+    found.update(_checkpoint_checks(run, rank, model, os.path.dirname(out)))
     everything = [None] * WORLD
     dist.all_gather_object(everything, found)
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(everything, f)
     dist.destroy_process_group()
+    _sharded_runs(rank, ports[1:], runs)
 
 
 # the boundary's cases: (grow_init, grow_where, merge_rounding, train_embeddings, frozen_dtype), each value
@@ -206,13 +212,97 @@ def _boundary_checks(run, rank):
     return found
 
 
+def _checkpoint_checks(run, rank, model, folder):
+    """The same model and AdamW state saved gathered (a .pt file) and sharded (a .dcp folder, DCP),
+    then each resumed on these ranks: {what: bit for bit equal}; and, on rank 0 alone (one process),
+    both read whole: the same dict."""
+    import train
+    from stepgpt import checkpoint
+    opt = train.configure_optimizer(model, load_config(["--fsdp=True"]), run.device)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(rank))
+    model(idx, idx)[1].backward()
+    opt.step()
+    want, want_opt, found, paths = sharding.full_state(model), sharding.full_optimizer_state(opt), {}, {}
+    for mode in ("gathered", "sharded"):
+        cfg = load_config(["--fsdp=True", f"--fsdp_checkpoint={mode}", f"--out_dir={folder}/saved-{mode}"])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        at = SimpleNamespace(**{**vars(run), "cfg": cfg, "meta": {}, "log": SimpleNamespace(wandb_id=None)})
+        torch.manual_seed(11)   # the same RNG state in both (a resume below draws from it)
+        paths[mode] = checkpoint.save(at, model, opt, 7, 1.0, evaluated=True)
+        _, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, sharded=True)
+        resumed = sharding.from_state(at, ckpt)
+        resumed_opt = train.configure_optimizer(resumed, cfg, run.device)
+        checkpoint.restore(ckpt, run.device, resumed, resumed_opt)
+        got, got_opt = sharding.full_state(resumed), sharding.full_optimizer_state(resumed_opt)
+        if rank == 0:
+            found[f"{mode} resumed"] = same_dicts(got, want) and same_dicts(got_opt, want_opt)
+    if rank == 0:
+        found["paths"] = {m: os.path.basename(p) for m, p in paths.items()}
+        read = [checkpoint.load_checkpoint(paths[m]) for m in ("gathered", "sharded")]
+        for ckpt in read:   # the keys that differ by design: where each was written, and how
+            del ckpt["config"]["out_dir"], ckpt["config"]["fsdp_checkpoint"]
+        found["one format"] = same_dicts(*read)
+    return found
+
+
+def same_dicts(a, b):
+    """Two checkpoints' dicts hold the same keys and values, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_dicts(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_dicts(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def _sharded_runs(rank, ports, runs):
+    """train.py on these two ranks as torchrun would start it (its environment), for the docs' sharded
+    checkpoint command: to the end; in a copy, resumed from the checkpoint before its last, under
+    FSDP and under DDP (the command without --fsdp=True); and resumed from a copy whose newest folder
+    is damaged in a file that rank 1 verifies (its refusal written to refusal-RANK.txt)."""
+    import train
+    from stepgpt import checkpoint
+    command, out = runs
+    ddp = [a for a in command if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
+    for port, name, args, extra in zip(ports, ("sharded", "sharded-resumed", "ddp-resumed", "damaged"),
+                                       (command, command, ddp, command),
+                                       ([], ["--init_from=resume_previous"], ["--init_from=resume_previous"],
+                                        ["--init_from=resume"])):
+        if rank == 0 and name != "sharded":   # the others wait for rank 0 in the process group's start
+            shutil.copytree(f"{out}/sharded", f"{out}/{name}")
+            if name == "damaged":
+                with open(checkpoint.checkpoint_files(f"{out}/{name}")[0] + "/__0_0.distcp", "r+b") as f:
+                    first = f.read(1)[0]
+                    f.seek(0)
+                    f.write(bytes([first ^ 0xFF]))   # same size: only its digest tells
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_PORT=str(port))
+        sharding._mesh.cache_clear()   # a mesh of the last process group, which train.main ended
+        try:
+            train.main(python(args[4:], f"{out}/{name}", *extra)[1:])
+        except UserError as e:
+            with open(f"{out}/refusal-{rank}.txt", "w") as f:
+                f.write(f"{name}: {e}")
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """_rank_checks on 2 gloo ranks (a spawn: slow), what each rank found."""
-    out = tmp_path_factory.mktemp("fsdp") / "found.pkl"
-    torch.multiprocessing.spawn(_rank_checks, args=(_free_port(), str(out)), nprocs=WORLD)
-    with open(out, "rb") as f:
-        return pickle.load(f)
+def spawned(tmp_path_factory):
+    """_rank_checks on 2 gloo ranks (a spawn: slow): what each rank found, and the folder of the
+    sharded runs."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    data = write_dataset(tmp / "data", vocab=300)
+    runs = (sharded_command() + [f"--data_dir={data}"], str(tmp))
+    ports = [_free_port() for _ in range(5)]
+    torch.multiprocessing.spawn(_rank_checks, args=(ports, str(tmp / "found.pkl"), runs), nprocs=WORLD)
+    with open(tmp / "found.pkl", "rb") as f:
+        return pickle.load(f), tmp
+
+
+@pytest.fixture(scope="module")
+def ranks(spawned):
+    return spawned[0]
 
 
 @pytest.mark.slow
@@ -248,6 +338,99 @@ def test_a_boundary_on_each_rank_s_rows_equals_one_process_s_bit_for_bit(ranks):
     assert len(cases) == len(BOUNDARIES) + 1 and all(v == (True, True, True) for v in cases.values()), cases
     for found in ranks:
         assert found["peak of a boundary / whole"] < 0.75, found["peak of a boundary / whole"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_gathered_or_sharded_holds_the_same_and_resumes_bit_for_bit(ranks):
+    """One model and AdamW state saved both ways: each resumes on 2 ranks to every bit of both;
+    read whole on one process, the .pt file and the .dcp folder give the same dict."""
+    found = ranks[0]
+    assert found["paths"] == {"gathered": "ckpt-00000007.pt", "sharded": "ckpt-00000007.dcp"}
+    assert found["gathered resumed"] and found["sharded resumed"] and found["one format"]
+
+
+@pytest.mark.slow
+def test_the_docs_sharded_command_writes_folders_that_resume_bit_for_bit(spawned):
+    """docs/distributed.md's sharded-checkpoint command (train.py on 2 ranks, scaled down): the
+    newest two checkpoints are folders, each rank's file, the header and the manifest in each; the
+    run resumed from the one before its last (--init_from=resume_previous) ends bit for bit where
+    it ended."""
+    _, tmp = spawned
+    out = tmp / "sharded"
+    names = [os.path.basename(p) for p in checkpoint_files(str(out))]
+    assert names == ["ckpt-00000012.dcp", "ckpt-00000010.dcp"]
+    for folder in checkpoint_files(str(out)):
+        assert sorted(os.listdir(folder)) == [".metadata", "MANIFEST.json", "__0_0.distcp", "__1_0.distcp",
+                                              "header.pt"]
+    assert os.path.isdir(tmp / "sharded-resumed" / "ckpt-00000012.dcp.superseded")
+    same_tensors(tmp / "sharded-resumed", out, exact=True)
+    assert (out / "sample.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_under_ddp(spawned):
+    """The docs' sharded run resumed from its checkpoint before the last (a .dcp folder) under DDP on
+    the same 2 ranks: each rank reads it whole, trains to the end and writes a .pt file, which holds
+    what the sharded run ended with (within float tolerance: another reduction order)."""
+    _, tmp = spawned
+    out = tmp / "ddp-resumed"
+    assert [os.path.basename(p) for p in checkpoint_files(str(out))] == ["ckpt-00000012.pt",
+                                                                         "ckpt-00000010.dcp"]
+    assert load_checkpoint(str(out))["config"]["fsdp"] is False
+    same_tensors(out, tmp / "sharded", exact=False)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(spawned):
+    """A byte changed in the newest folder's file that rank 1 hashes: both ranks refuse the resume
+    in one line before any training, naming the checkpoint before it."""
+    _, tmp = spawned
+    for rank in range(WORLD):
+        refusal = (tmp / f"refusal-{rank}.txt").read_text()
+        folder = tmp / "damaged"
+        assert refusal == (f"damaged: checkpoint {folder}/ckpt-00000012.dcp is unusable (checksum mismatch "
+                           f"in __0_0.distcp: the folder is damaged); resume from the one before it, "
+                           f"{folder}/ckpt-00000010.dcp, with --init_from=resume_previous"), refusal
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawned, capsys):
+    """The sharded run's checkpoint before its last resumed on one process (another world size:
+    each tensor read whole) to the end; a save that a kill interrupted (its temp folder) is removed
+    on the way; a truncated folder is refused naming the one before it; sample.py, grow.py and
+    export_hf.py read a folder."""
+    import export_hf
+    import sample
+    import train
+    _, tmp = spawned
+    one = tmp / "sharded-one"
+    shutil.copytree(tmp / "sharded", one)
+    os.makedirs(one / "ckpt-00000014.dcp.tmp")
+    command = single(sharded_command())
+    train.main(python(command[1:], one, f"--data_dir={tmp / 'data'}", "--init_from=resume_previous")[1:])
+    assert not os.path.exists(one / "ckpt-00000014.dcp.tmp")
+    assert checkpoint_files(str(one))[0] == str(one / "ckpt-00000012.pt")   # one process writes a file
+    same_tensors(one, tmp / "sharded", exact=False)
+    capsys.readouterr()
+    ckpt = str(tmp / "sharded")   # its newest checkpoint: a .dcp folder
+    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
+    assert capsys.readouterr().out.startswith("To be")
+    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
+    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
+    pytest.importorskip("safetensors")
+    export_hf.main([ckpt, str(tmp / "hf")])
+    assert (tmp / "hf" / "model.safetensors").is_file()
+    truncated = tmp / "truncated"
+    shutil.copytree(tmp / "sharded", truncated)
+    newest, before = checkpoint_files(str(truncated))
+    with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(str(truncated))
+    assert re.fullmatch(re.escape(f"the newest checkpoint of {truncated}, {newest}, is unusable "
+                                  f"(__1_0.distcp is 100 bytes, not ") + r"\d+" + re.escape(
+        f": the folder is truncated or damaged); the one before it is {before}: pass that file, or remove "
+        f"the unusable one"), str(e.value)), str(e.value)
 
 
 @pytest.mark.slow
@@ -321,17 +504,23 @@ SIZE = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--ba
         "--eval_interval=2", "--eval_iters=4", "--log_interval=1", "--sample_tokens=20"]
 
 
-def docs_command():
-    """docs/distributed.md's FSDP command, as an argument list."""
+def docs_command(sharded=False):
+    """docs/distributed.md's FSDP command (with sharded checkpoints), as an argument list."""
     text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
-    lines = [line for line in re.findall(r"^(torchrun .*--fsdp=True.*)$", text, re.M)]
+    lines = [line for line in re.findall(r"^(torchrun .*--fsdp=True.*)$", text, re.M)
+             if ("--fsdp_checkpoint=sharded" in line) == sharded]
     assert len(set(lines)) == 1, lines
     return shlex.split(lines[0], comments=True)
 
 
+def sharded_command():
+    return docs_command(sharded=True)
+
+
 def single(command):
-    """The same run on one process: python train.py CONFIG KEYS, without --fsdp=True."""
-    return [a for a in command[3:] if a != "--fsdp=True"]
+    """The same run on one process: python train.py CONFIG KEYS, without --fsdp=True (and its
+    checkpoints' form)."""
+    return [a for a in command[3:] if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
 
 
 def torchrun(args, out, *extra):
