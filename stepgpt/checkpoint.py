@@ -210,7 +210,8 @@ def _file_digest(path):
 def verify_checkpoint(path, share=(0, 1)):
     """-> None if the checkpoint is whole, else why not (one phrase). A .dcp folder: every file its
     manifest lists is there at its size; with share=(i, n) only every n-th file from the i-th is
-    hashed (the ranks of an FSDP resume hash a share each)."""
+    hashed (the ranks of an FSDP resume hash a share each), and the header by the first share too
+    (rank 0 reads it before the others report)."""
     if path.endswith(".dcp"):
         return _verify_folder(path, share)
     if not os.path.isfile(path):
@@ -253,7 +254,8 @@ def _verify_folder(path, share):
             if os.path.getsize(file) != size:
                 return f"{name} is {os.path.getsize(file)} bytes, not {size}: the folder is truncated or " \
                        f"damaged"
-            if i % share[1] == share[0] and _file_digest(file) != digest:
+            mine = i % share[1] == share[0] or (name == HEADER and share[0] == 0)
+            if mine and _file_digest(file) != digest:
                 return f"checksum mismatch in {name}: the folder is damaged"
         except OSError as e:
             return f"{name} is unreadable ({e.strerror or e})"
