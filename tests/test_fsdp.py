@@ -2,10 +2,12 @@
 tests: every parameter's and AdamW state's local shard is 1/world of the whole (the frozen int8
 store and its row scales included), a model built from scratch is never materialised whole and
 equals GPT(cfg) from the same seed, the frozen linear receives plain tensors (int8 as stored, fp32
-row scales under the bf16 policy), a compiled block has no graph break. Under torchrun (slow): the
-same run as one process through a growth and ReLoRA restarts, checkpoints that move between 1
-process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and docs/distributed.md's command
-as written, scaled down in size only."""
+row scales under the bf16 policy), a compiled block has no graph break, a checkpoint saved gathered or
+sharded (torch.distributed.checkpoint) holds the same; then, on the same two ranks, train.py with the
+docs' sharded-checkpoint command, resumed under FSDP and DDP, refusing damaged folders. Under
+torchrun (slow): the same run as one process through a growth and ReLoRA restarts, checkpoints that
+move between 1 process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and
+docs/distributed.md's command as written, scaled down in size only."""
 import functools
 import json
 import os
@@ -215,7 +217,8 @@ def _boundary_checks(run, rank):
 def _checkpoint_checks(run, rank, model, folder):
     """The same model and AdamW state saved gathered (a .pt file) and sharded (a .dcp folder, DCP),
     then each resumed on these ranks: {what: bit for bit equal}; and, on rank 0 alone (one process),
-    both read whole: the same dict."""
+    both read whole: the same dict. Saved with fsdp_checkpoint=auto under two sizes of rank 0's RAM:
+    {"paths": each save's file name}."""
     import train
     from stepgpt import checkpoint
     opt = train.configure_optimizer(model, load_config(["--fsdp=True"]), run.device)
@@ -236,6 +239,16 @@ def _checkpoint_checks(run, rank, model, folder):
         got, got_opt = sharding.full_state(resumed), sharding.full_optimizer_state(resumed_opt)
         if rank == 0:
             found[f"{mode} resumed"] = same_dicts(got, want) and same_dicts(got_opt, want_opt)
+    # fsdp_checkpoint=auto: rank 0's RAM (the others' is not asked) twice the weights and AdamW state,
+    # so a quarter does not hold them (sharded), then eight times (gathered)
+    nbytes, real = checkpoint._tensor_bytes([want, want_opt]) if rank == 0 else 0, checkpoint.host_memory
+    for mode, ram in (("auto", 2 * nbytes), ("auto-fits", 8 * nbytes)):
+        checkpoint.host_memory = lambda ram=ram: ram if rank == 0 else 0
+        cfg = load_config(["--fsdp=True", f"--out_dir={folder}/saved-{mode}"])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        at = SimpleNamespace(**{**vars(run), "cfg": cfg, "meta": {}, "log": SimpleNamespace(wandb_id=None)})
+        paths[mode] = checkpoint.save(at, model, opt, 7, 1.0, evaluated=True)
+    checkpoint.host_memory = real
     if rank == 0:
         found["paths"] = {m: os.path.basename(p) for m, p in paths.items()}
         read = [checkpoint.load_checkpoint(paths[m]) for m in ("gathered", "sharded")]
@@ -267,24 +280,29 @@ def _sharded_runs(rank, ports, runs):
     from stepgpt import checkpoint
     command, out = runs
     ddp = [a for a in command if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
-    for port, name, args, extra in zip(ports, ("sharded", "sharded-resumed", "ddp-resumed", "damaged"),
-                                       (command, command, ddp, command),
+    names = ("sharded", "sharded-resumed", "ddp-resumed", "damaged", "damaged-header")
+    for port, name, args, extra in zip(ports, names, (command, command, ddp, command, command),
                                        ([], ["--init_from=resume_previous"], ["--init_from=resume_previous"],
-                                        ["--init_from=resume"])):
+                                        ["--init_from=resume"], ["--init_from=resume"])):
         if rank == 0 and name != "sharded":   # the others wait for rank 0 in the process group's start
             shutil.copytree(f"{out}/sharded", f"{out}/{name}")
-            if name == "damaged":
-                with open(checkpoint.checkpoint_files(f"{out}/{name}")[0] + "/__0_0.distcp", "r+b") as f:
+            newest = checkpoint.checkpoint_files(f"{out}/{name}")[0]
+            if name == "damaged":   # a byte of a file rank 1 hashes
+                with open(f"{newest}/__0_0.distcp", "r+b") as f:
                     first = f.read(1)[0]
                     f.seek(0)
                     f.write(bytes([first ^ 0xFF]))   # same size: only its digest tells
+            if name == "damaged-header":   # the zip's end, which rank 0 reads before the others hash
+                with open(f"{newest}/header.pt", "r+b") as f:
+                    f.seek(-22, os.SEEK_END)
+                    f.write(b"\xff" * 22)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_PORT=str(port))
         sharding._mesh.cache_clear()   # a mesh of the last process group, which train.main ended
         try:
             train.main(python(args[4:], f"{out}/{name}", *extra)[1:])
         except UserError as e:
-            with open(f"{out}/refusal-{rank}.txt", "w") as f:
-                f.write(f"{name}: {e}")
+            with open(f"{out}/refusal-{rank}.txt", "a") as f:
+                f.write(f"{name}: {e}\n")
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +312,7 @@ def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     data = write_dataset(tmp / "data", vocab=300)
     runs = (sharded_command() + [f"--data_dir={data}"], str(tmp))
-    ports = [_free_port() for _ in range(5)]
+    ports = [_free_port() for _ in range(6)]
     torch.multiprocessing.spawn(_rank_checks, args=(ports, str(tmp / "found.pkl"), runs), nprocs=WORLD)
     with open(tmp / "found.pkl", "rb") as f:
         return pickle.load(f), tmp
@@ -345,7 +363,8 @@ def test_a_checkpoint_gathered_or_sharded_holds_the_same_and_resumes_bit_for_bit
     """One model and AdamW state saved both ways: each resumes on 2 ranks to every bit of both;
     read whole on one process, the .pt file and the .dcp folder give the same dict."""
     found = ranks[0]
-    assert found["paths"] == {"gathered": "ckpt-00000007.pt", "sharded": "ckpt-00000007.dcp"}
+    assert found["paths"] == {"gathered": "ckpt-00000007.pt", "sharded": "ckpt-00000007.dcp",
+                              "auto": "ckpt-00000007.dcp", "auto-fits": "ckpt-00000007.pt"}
     assert found["gathered resumed"] and found["sharded resumed"] and found["one format"]
 
 
@@ -382,15 +401,19 @@ def test_a_sharded_checkpoint_resumes_under_ddp(spawned):
 
 @pytest.mark.slow
 def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(spawned):
-    """A byte changed in the newest folder's file that rank 1 hashes: both ranks refuse the resume
-    in one line before any training, naming the checkpoint before it."""
+    """A byte changed in the newest folder's file that rank 1 hashes, or the end of its header (which
+    rank 0 reads and so hashes itself): both ranks refuse the resume in one line before any
+    training, naming the checkpoint before it."""
     _, tmp = spawned
     for rank in range(WORLD):
-        refusal = (tmp / f"refusal-{rank}.txt").read_text()
-        folder = tmp / "damaged"
-        assert refusal == (f"damaged: checkpoint {folder}/ckpt-00000012.dcp is unusable (checksum mismatch "
-                           f"in __0_0.distcp: the folder is damaged); resume from the one before it, "
-                           f"{folder}/ckpt-00000010.dcp, with --init_from=resume_previous"), refusal
+        refusals = (tmp / f"refusal-{rank}.txt").read_text().splitlines()
+        assert [line.split(":")[0] for line in refusals] == ["damaged", "damaged-header"], refusals
+        for line, file in zip(refusals, ("__0_0.distcp", "header.pt")):
+            folder = tmp / line.split(":")[0]
+            assert line.split(": ", 1)[1] == (
+                f"checkpoint {folder}/ckpt-00000012.dcp is unusable (checksum mismatch in {file}: the folder "
+                f"is damaged); resume from the one before it, {folder}/ckpt-00000010.dcp, with "
+                f"--init_from=resume_previous"), line
 
 
 @pytest.mark.slow
