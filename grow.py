@@ -177,18 +177,16 @@ def insertion_gaps(n_old, n_new, where, seed=0):
 
 
 def _new_block(cfg, sources, weights, init):
-    """A trainable block whose tensors are the weighted sum of the source blocks' (dense) tensors."""
-    block = Block(cfg)
-    with torch.no_grad():
-        for name in LINEARS:
-            w = sum(c * dense_weight(s.linear(name)) for s, c in zip(sources, weights))
-            block.linear(name).weight.copy_(w)
-            if init == "zero" and name in RESIDUAL_OUT:
-                block.linear(name).weight.zero_()   # the block adds nothing to the residual stream
-        for norm in ("attn_norm", "mlp_norm"):
-            w = sum(c * getattr(s, norm).weight for s, c in zip(sources, weights))
-            getattr(block, norm).weight.copy_(w)
-    return block.to(sources[0].attn_norm.weight.device)
+    """A trainable block whose tensors are the weighted sum of the source blocks' (dense) tensors, row
+    for row: sources holding some rows of each tensor (under FSDP, a rank's own) give those rows."""
+    with torch.device("meta"):
+        block = Block(cfg)   # the module tree only: every tensor is assigned below
+    for name in LINEARS + ("attn_norm", "mlp_norm"):
+        w = sum(c * dense_weight(s.get_submodule(name)) for s, c in zip(sources, weights))
+        if init == "zero" and name in RESIDUAL_OUT:
+            w.zero_()   # the block adds nothing to the residual stream
+        block.get_submodule(name).weight = nn.Parameter(w)
+    return block
 
 
 def grow(model, n_new, init="mean", where="upper", seed=0):

@@ -193,8 +193,8 @@ def merge_quality(sums):
 
 
 def dense_weight(linear):
-    """The float weight a trainable nn.Linear or a FrozenLoRALinear computes with; for the latter
-    W + (alpha/r) B A, the adapter included (growth copies it, the export writes it)."""
+    """The float weight a trainable nn.Linear (or RMSNorm) or a FrozenLoRALinear computes with; for the
+    latter W + (alpha/r) B A, the adapter included (growth copies it, the export writes it)."""
     if isinstance(linear, FrozenLoRALinear):
         return linear.stored_weight() + linear.adapter_update()
     return linear.weight.detach().float()

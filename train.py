@@ -212,9 +212,9 @@ def build(run):
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
         if run.resuming:
-            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, rank0_only=cfg.fsdp)
-        else:   # FSDP: rank 0 alone reads the tensors, and shards them out
-            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from, rank0_only=cfg.fsdp)
+            path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, sharded=cfg.fsdp)
+        else:   # FSDP: rank 0 reads a file and shards it out; each rank reads its rows of a folder
+            path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from, sharded=cfg.fsdp)
         model = sharding.from_state(run, ckpt) if cfg.fsdp else GPT.from_checkpoint(ckpt, path)
         if run.master:
             verb = "resuming" if run.resuming else "starting"
@@ -252,7 +252,7 @@ def enter_stage(run, raw, opt, stage, it):
     def transition(model):   # STEP's: merge, grow, freeze
         grow.next_stage(model, n_new, cfg.grow_init, cfg.grow_where, seed=cfg.seed + stage,
                         train_embeddings=cfg.train_embeddings, rounding=cfg.merge_rounding)
-    if cfg.fsdp:   # on a copy gathered to rank 0's CPU; the grown model is then sharded anew
+    if cfg.fsdp:   # on each rank's own rows, by the same code; the grown model is then sharded anew
         raw = sharding.next_stage(run, raw, opt, transition)
     else:
         transition(raw)
@@ -393,9 +393,8 @@ def train(cfg):
                 if it % cfg.log_interval == 0:
                     meter.log(it, stage, raw, loss, norm, lr)
                 if stop.requested(run):
-                    checkpoint.save(run, raw, opt, it, best_val, evaluated=False)
+                    saved = checkpoint.save(run, raw, opt, it, best_val, evaluated=False)
                     who = stop.signal or "a signal to another rank"
-                    saved = checkpoint.checkpoint_path(cfg.out_dir, it)
                     run.log.print(f"stopped by {who} after step {it}: saved {saved}; continue with "
                                   f"--init_from=resume")
                     return

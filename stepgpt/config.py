@@ -78,6 +78,10 @@ class TrainConfig(GPTConfig):
     zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
     fsdp: bool = False                  # shard weights, gradients and AdamW state over the ranks (FSDP2;
                                         # torchrun), the frozen int8 store included: docs/distributed.md
+    fsdp_checkpoint: str = "auto"       # FSDP's checkpoints: gathered (one .pt file, written by rank 0) |
+                                        # sharded (a .dcp folder, torch.distributed.checkpoint: each rank
+                                        # writes its rows) | auto (sharded when the weights and AdamW state
+                                        # are over a quarter of rank 0's RAM)
     activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
     loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
                                         # the backward, so the full logits and their gradient never exist
@@ -124,6 +128,9 @@ class TrainConfig(GPTConfig):
         if self.fsdp and (self.optimizer != "adamw" or self.relora_prune < 1):
             raise UserError(f"fsdp=True runs optimizer=adamw with relora_prune=1 (optimizer="
                             f"{self.optimizer!r} and relora_prune={self.relora_prune} need whole tensors)")
+        if self.fsdp_checkpoint == "sharded" and not self.fsdp:
+            raise UserError("fsdp_checkpoint='sharded' has each FSDP rank write its rows: set fsdp=True too, "
+                            "or drop it (other runs write one file)")
         if self.optimizer == "galore" and self.zero1:
             raise UserError("optimizer=galore does not shard its state: use zero1=False")
         if self.min_lr > self.learning_rate:
@@ -164,7 +171,7 @@ class TrainConfig(GPTConfig):
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
            "optimizer": ("adamw", "adamw8bit", "galore"), "grow_init": grow.INITS,
-           "grow_where": grow.PLACEMENTS}
+           "grow_where": grow.PLACEMENTS, "fsdp_checkpoint": ("auto", "gathered", "sharded")}
 def _coerce(key, value, default):
     if isinstance(default, bool) or not isinstance(default, (int, float)):
         seq = (list, tuple)

@@ -14,7 +14,7 @@ import torch
 import grow
 from model import GPT, merge_quality
 from stepgpt import kernels, memory
-from stepgpt.checkpoint import checkpoint_files, load_checkpoint
+from stepgpt.checkpoint import checkpoint_files, checkpoint_step, load_checkpoint, written
 from stepgpt.errors import UserError
 
 
@@ -237,7 +237,7 @@ def divergence_advice(run):
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     records = read_metrics(path)[0] if os.path.isfile(path) else []
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    files = [(int(os.path.basename(p)[5:-3]), p) for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
+    files = [(checkpoint_step(p), p) for p in checkpoint_files(cfg.out_dir) if written(p)]
     files = files[:2]   # --init_from=resume and resume_previous reach these two
     new_lr = min(cfg.learning_rate / 10, 1e-3)
     lr = f"--learning_rate={new_lr:g}" + (f" --min_lr={new_lr / 10:g}" if new_lr < cfg.min_lr else "")
@@ -384,7 +384,7 @@ def out_of_memory_line(run, step, error):
     # the CPU allocator says "tried to allocate N bytes", CUDA and numpy "allocate 2.00 GiB"
     size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)", str(error))
     asked = fmt_bytes(int(size[1])) if size and size[1] else size[2] if size else "an amount it does not say"
-    files = [p for p in checkpoint_files(cfg.out_dir) if os.path.isfile(p)]
+    files = [p for p in checkpoint_files(cfg.out_dir) if written(p)]
     then = (f"then continue from {files[0]} with --init_from=resume" if files else
             "then start again (no checkpoint was written yet)")
     return (f"out of memory at step {step} (stage {stage + 1}/{len(run.depth)}) on {run.device}: it tried to "

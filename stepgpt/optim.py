@@ -88,8 +88,8 @@ def relora_restart(model, opt, cfg, it):
     """ReLoRA inside a stage: merge the adapters into the frozen weights (the merge's sums in
     model.last_merge), restart them and their optimizer state."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-    if sharding.sharded(model):   # on rank 0's gathered copy, loaded back into the shards
-        sharding.merge_in_place(model, lambda plain: plain.merge_adapters(cfg.merge_rounding, g))
+    if sharding.sharded(model):   # on each rank's own rows, written back into its shards
+        sharding.merge_in_place(model, lambda rows: rows.merge_adapters(cfg.merge_rounding, g))
     else:
         model.merge_adapters(cfg.merge_rounding, g)
     reset_adapter_state(model, opt, cfg.relora_prune)

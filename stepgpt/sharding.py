@@ -6,11 +6,11 @@ all-gathered just before its forward (and again for its backward) and freed afte
 holds its own 1/world share of everything plus about one whole block at a time. Gradients are
 reduce-scattered after every micro-step's backward, so they stay sharded too.
 
-Where the whole model must exist, it exists once, on rank 0's CPU, never on a GPU: a checkpoint
-is gathered there into the one format that 1 process, DDP and FSDP share; a stage boundary runs
-STEP's transition (grow.next_stage) on a copy gathered there, by the same code as one process,
-then shards the grown model anew; a ReLoRA merge does the same into the same parameters.
-docs/distributed.md says what that costs and where it stops fitting.
+A stage boundary runs on shards: every step of STEP's transition is row-local on dim-0 shards
+(merging W + s B A needs a row's W and B and all of A, small; the growth operators combine the
+same rows of two layers; int8 quantisation has one scale per row), so each rank runs the very code
+one process runs (grow.next_stage) on a plain model of its own rows, then the grown model is built
+on the meta device and sharded around the rows it made. A ReLoRA merge does the same in place.
 
 A model built from scratch is built on the meta device (no memory) and materialised shard by
 shard with the values GPT(cfg) draws on one process from the same seed: the constructor's random
@@ -23,6 +23,8 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -84,10 +86,11 @@ def shard(run, model):
     return model
 
 
-def skeleton(cfg):
+def skeleton(cfg, frozen=FrozenLoRALinear):
     """GPT(cfg) on the meta device, frozen layers included (shapes, dtypes and which tensors train;
     no memory, no values). Block.freeze quantises real weights, which meta tensors do not have, so
-    the frozen linears are built empty here: tests/test_fsdp.py checks the tree against GPT(cfg)."""
+    the frozen linears (of class `frozen`) are built empty here: tests/test_fsdp.py checks the tree
+    against GPT(cfg)."""
     with torch.device("meta"):
         model = GPT(replace(cfg, frozen_layers=()))
         for i in cfg.frozen_layers:
@@ -95,7 +98,7 @@ def skeleton(cfg):
             for name in LINEARS:
                 parent, child = name.split(".")
                 lin = block.linear(name)
-                setattr(getattr(block, parent), child, FrozenLoRALinear(
+                setattr(getattr(block, parent), child, frozen(
                     lin.in_features, lin.out_features, cfg.lora_rank, cfg.lora_alpha, dtype=cfg.frozen_dtype))
             block.attn_norm.weight.requires_grad_(False)
             block.mlp_norm.weight.requires_grad_(False)
@@ -106,10 +109,13 @@ def skeleton(cfg):
 def _materialise(run, model):
     """Storage for the local shards (uninitialised) and the RoPE tables, which no state dict holds."""
     model.to_empty(device=run.device)
+    _rope(run, model)
+
+
+def _rope(run, model):
     cfg = model.config
-    cos, sin = rope_cache(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
-    model.rope_cos.copy_(cos)
-    model.rope_sin.copy_(sin)
+    model.rope_cos, model.rope_sin = (t.to(run.device) for t in rope_cache(cfg.n_embd // cfg.n_head,
+                                                                           cfg.block_size, cfg.rope_theta))
 
 
 class _Draws(TorchDispatchMode):
@@ -125,12 +131,17 @@ class _Draws(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _rows(param):
+    """This rank's rows of a sharded parameter: a slice of dim 0, which FSDP2 splits as torch.chunk
+    does (ceil(n / world) rows per rank, the last ranks' fewer or none)."""
+    n, size = param.shape[0], -(-param.shape[0] // param.device_mesh.size())
+    first = min(param.device_mesh.get_local_rank() * size, n)
+    return slice(first, min(first + size, n))
+
+
 def _local_rows(full, param):
-    """This rank's rows of the whole tensor `full` as FSDP2 shards `param` (torch.chunk on dim 0)."""
-    local = param.to_local()
-    rows = full.chunk(param.device_mesh.size())
-    rank = param.device_mesh.get_local_rank()
-    mine = rows[rank] if rank < len(rows) else full[:0]
+    """This rank's rows of the whole tensor `full` as FSDP2 shards `param`. -> (its shard, the rows)."""
+    local, mine = param.to_local(), full[_rows(param)]
     assert mine.shape == local.shape, (mine.shape, local.shape)
     return local, mine
 
@@ -169,12 +180,16 @@ def new_model(run, cfg):
 def from_state(run, ckpt, state=None):
     """A sharded GPT of a checkpoint's config (ckpt["model_args"], or a GPTConfig) holding `state` (by
     default ckpt["model"]), a full state dict that rank 0 holds (the other ranks' is not read): built
-    on the meta device, then each tensor broadcast from rank 0 in turn, each rank keeping its rows."""
+    on the meta device, then each tensor broadcast from rank 0 in turn, each rank keeping its rows.
+    A checkpoint folder's (ckpt["dcp"]): each rank reads its rows from the folder's files itself."""
     check(run)
     cfg = ckpt if isinstance(ckpt, GPTConfig) else GPTConfig.from_dict(ckpt["model_args"])
-    state = ckpt["model"] if state is None else state
     model = shard(run, skeleton(cfg))
     _materialise(run, model)
+    if isinstance(ckpt, dict) and "dcp" in ckpt:
+        dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt["dcp"])
+        return model
+    state = ckpt["model"] if state is None else state
     set_model_state_dict(model, state if run.master else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
@@ -194,54 +209,105 @@ def full_state(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def plain_model(cfg, state):
-    """An unsharded GPT(cfg) on the CPU around the tensors of a full state dict (no copy, no init)."""
-    model = skeleton(cfg)
-    model.load_state_dict(state, assign=True)
-    if cfg.tie_embeddings:   # assign=True loads the two names into two tensors
-        model.lm_head.weight = model.wte.weight
-    model.rope_cos, model.rope_sin = rope_cache(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
-    return model
+class _Rows(FrozenLoRALinear):
+    """A frozen linear of a rank's local model (_local_model): weight_q, weight_scale and B hold the
+    rows `rows` of `total`, A is whole. FrozenLoRALinear's merge and adapter restart run on it as
+    they are, being row-local: W's rows + s B's rows A, one int8 scale per row, A drawn whole from
+    the stage's generator. Stochastic rounding alone needs the whole shape: its noise is drawn for
+    the whole weight (so the generator gives every rank the bits one process draws), so the rows are
+    rounded inside a whole-shaped weight whose other rows are zeros, and kept."""
+    rows, total = slice(None), 0
+
+    def store(self, w, stochastic=False, generator=None):
+        if not stochastic:
+            return super().store(w)
+        whole = w.new_zeros(self.total, w.shape[1])
+        whole[self.rows] = w
+        super().store(whole, stochastic, generator)
+        self.weight_q.data = self.weight_q[self.rows].clone()
+        if self.weight_scale is not None:
+            self.weight_scale.data = self.weight_scale[self.rows].clone()
 
 
-def _on_rank0(model, fn):
-    """fn(plain model) on rank 0, on a copy of the whole model gathered to its CPU: the same code one
-    process runs, so the same result. -> (the full state after it, on rank 0; its config and merge
-    sums, on every rank)."""
-    state, out = full_state(model), [None, None]
-    if dist.get_rank() == 0:
-        plain = plain_model(model.config, state)
-        fn(plain)
-        state, out = plain.state_dict(), [plain.config, plain.last_merge]
-    dist.broadcast_object_list(out, src=0)
-    return state, out[0], out[1]
+@torch.no_grad()
+def _local_model(model):
+    """A plain GPT of this rank's rows of a sharded model, around its shards' own storage (no copy),
+    for grow.next_stage or a merge to run on as they are: every step of a boundary is row-local on
+    dim-0 shards, given each frozen linear's A whole (gathered here: r rows, small)."""
+    local = skeleton(model.config, frozen=_Rows)
+    for name, p in model.named_parameters():
+        owner, leaf = name.rsplit(".", 1)
+        module = local.get_submodule(owner)
+        t = p.full_tensor() if leaf == "lora_a" else p.to_local()
+        setattr(module, leaf, nn.Parameter(t, requires_grad=p.requires_grad))
+        if leaf == "weight_q":
+            module.rows, module.total = _rows(p), p.shape[0]
+    if model.config.tie_embeddings:
+        local.lm_head.weight = local.wte.weight
+    return local
+
+
+def _mine(local, name, p):
+    """This rank's rows of the parameter `name` of a sharded model, `p`, from `local` (_local_model,
+    after a boundary or merge), where each A is whole."""
+    t = local.get_parameter(name).detach()
+    t = t[_rows(p)] if name.endswith("lora_a") else t
+    if t.shape != p.to_local().shape:   # copy_ would broadcast some mismatches silently
+        raise RuntimeError(f"{name}: this rank's rows are {tuple(t.shape)}, its shard "
+                           f"{tuple(p.to_local().shape)}")
+    return t
+
+
+def _summed(sums, device):
+    """A merge's sums (model.last_merge) of this rank's rows, added up over the ranks."""
+    if sums is None:
+        return None
+    total = sums.to(device)
+    dist.all_reduce(total)
+    return total.cpu()
 
 
 def next_stage(run, model, opt, transition):
-    """A stage boundary under FSDP: transition(model) (grow.next_stage with the stage's arguments) on
-    rank 0's gathered copy, then the grown model sharded anew. The optimizer state of the parameters
-    that carry over (the embeddings, final norm and head) moves to their successors of the same
-    name, where train.configure_optimizer finds it. -> the new sharded model."""
-    state, cfg, merged = _on_rank0(model, transition)
-    new = from_state(run, cfg, state)
-    new.last_merge = merged
-    old = dict(model.named_parameters())
-    for name, p in new.named_parameters():
-        if name in old and old[name] in opt.state and old[name].shape == p.shape:
-            opt.state[p] = opt.state.pop(old[name])
-    # the old model is done: free its shards now, not whenever the garbage collector gets to FSDP's
-    # reference cycles (measured: otherwise they outlive the next steps)
+    """A stage boundary under FSDP, on shards: transition(model) (grow.next_stage with the stage's
+    arguments, the same code one process runs) on this rank's rows (_local_model); the old model
+    freed; the grown one built on the meta device, sharded, its shards the rows the transition made.
+    A rank holds its share of the old model and of what the boundary changes, each frozen linear's A
+    whole and, one weight at a time, the whole weight while a stochastic merge rounds it (its noise
+    is drawn whole): never the whole model. The optimizer state of the parameters that carry over
+    (the embeddings, final norm and head) moves to their successors of the same name, where
+    train.configure_optimizer finds it. -> the new sharded model."""
+    local = _local_model(model)
+    transition(local)
+    carried = {name: (p.shape, opt.state.pop(p)) for name, p in model.named_parameters() if p in opt.state}
+    # free the old shards now, not whenever the garbage collector gets to FSDP's reference cycles
+    # (measured: otherwise they outlive the next steps); what carries over lives on in `local`
     model.to_empty(device="meta")
+    new = shard(run, skeleton(local.config))
+    # the new shards take the rows' own storage (FSDP2 adopts an assigned DTensor's local tensor; it
+    # copies only a rank's rows that need padding to an even share): nothing is copied twice
+    state, made = {}, {}
+    for name, p in new.state_dict(keep_vars=True).items():   # tied embeddings: two names, one parameter
+        if id(p) not in made:
+            made[id(p)] = nn.Parameter(_dtensor_like(_mine(local, name, p), p), requires_grad=p.requires_grad)
+        state[name] = made[id(p)]
+    new.load_state_dict(state, assign=True)
+    _rope(run, new)
+    new.last_merge = _summed(local.last_merge, run.device)
+    for name, p in new.named_parameters():
+        if name in carried and carried[name][0] == p.shape:
+            opt.state[p] = carried[name][1]
     return new
 
 
 def merge_in_place(model, merge):
-    """A ReLoRA restart under FSDP: merge(model) on rank 0's gathered copy, then loaded back into the
-    same sharded parameters (the module tree is unchanged, the optimizer keeps its references)."""
-    state, _, merged = _on_rank0(model, merge)
-    set_model_state_dict(model, state if dist.get_rank() == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    model.last_merge = merged
+    """A ReLoRA restart under FSDP: merge(model) on this rank's rows (_local_model), written back into
+    the same sharded parameters (the module tree is unchanged, the optimizer keeps its references)."""
+    local = _local_model(model)
+    merge(local)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(_mine(local, name, p))
+    model.last_merge = _summed(local.last_merge, model.wte.weight.device)
 
 
 def full_optimizer_state(opt):
@@ -261,11 +327,20 @@ def full_optimizer_state(opt):
     return sd if master else None
 
 
-def load_optimizer(opt, sd):
-    """A full optimizer state dict that rank 0 read (the other ranks' is None) into the optimizer of a
-    sharded model: its layout broadcast, then each state tensor shaped like its parameter broadcast
-    whole in turn, each rank keeping its rows."""
+def load_optimizer(opt, ckpt):
+    """A checkpoint's optimizer state into the optimizer of a sharded model. A file's (ckpt["optimizer"],
+    a full state dict that rank 0 read; the other ranks' is None): its layout broadcast, then each
+    state tensor shaped like its parameter broadcast whole in turn, each rank keeping its rows. A
+    folder's (ckpt["dcp"]; its layout on every rank): each rank reads its rows from its files."""
     params = [p for group in opt.param_groups for p in group["params"]]
+    if "dcp" in ckpt:
+        state = {i: {k: _empty_like(v, params[i]) if is_spec(v) else v for k, v in s.items()}
+                 for i, s in ckpt["optimizer"]["state"].items()}
+        tensors = {i: {k: v for k, v in s.items() if torch.is_tensor(v)} for i, s in state.items()}
+        dcp.load({"optimizer": tensors}, checkpoint_id=ckpt["dcp"])
+        opt.load_state_dict({**ckpt["optimizer"], "state": state})
+        return
+    sd = ckpt["optimizer"]
     whole = lambda v, p: torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == p.shape  # noqa: E731
     layout = [None]
     if dist.get_rank() == 0:   # the state with each whole tensor as ("whole", shape, dtype)
@@ -282,10 +357,32 @@ def load_optimizer(opt, sd):
             full = (sd["state"][i][k].to(p.device) if sd is not None
                     else torch.empty(v[1], dtype=v[2], device=p.device))
             dist.broadcast(full, src=0)
-            mine = _local_rows(full, p)[1].clone()
-            state[i][k] = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
-                                             shape=p.shape, stride=p.stride())
+            state[i][k] = _dtensor_like(_local_rows(full, p)[1].clone(), p)
     opt.load_state_dict({**layout[0], "state": state})
+
+
+def spec(t):
+    """What a checkpoint folder's header holds in a tensor's place (DCP's files hold the tensor)."""
+    return ("tensor", tuple(t.shape), t.dtype)
+
+
+def is_spec(v):
+    return isinstance(v, tuple) and len(v) == 3 and v[0] == "tensor"
+
+
+def _dtensor_like(local, p):
+    """A DTensor sharded as the parameter p, around this rank's rows `local`."""
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def _empty_like(v, p):
+    """An empty tensor that a checkpoint folder's state tensor (spec v) is read into: sharded as the
+    parameter p where it is p's shape (AdamW's moments), else whole (its step)."""
+    _, shape, dtype = v
+    if isinstance(p, DTensor) and tuple(p.shape) == shape:
+        return _dtensor_like(torch.empty(p.to_local().shape, dtype=dtype, device=p.device), p)
+    return torch.empty(shape, dtype=dtype)
 
 
 def structure_digest(model):

@@ -2,10 +2,13 @@
 tests: every parameter's and AdamW state's local shard is 1/world of the whole (the frozen int8
 store and its row scales included), a model built from scratch is never materialised whole and
 equals GPT(cfg) from the same seed, the frozen linear receives plain tensors (int8 as stored, fp32
-row scales under the bf16 policy), a compiled block has no graph break. Under torchrun (slow): the
-same run as one process through a growth and ReLoRA restarts, checkpoints that move between 1
-process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and docs/distributed.md's command
-as written, scaled down in size only."""
+row scales under the bf16 policy), a compiled block has no graph break, a checkpoint saved gathered or
+sharded (torch.distributed.checkpoint) holds the same; then, on the same two ranks, train.py with the
+docs' sharded-checkpoint command, resumed under FSDP and DDP, refusing damaged folders. Under
+torchrun (slow): the same run as one process through a growth and ReLoRA restarts, checkpoints that
+move between 1 process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and
+docs/distributed.md's command as written, scaled down in size only."""
+import functools
 import json
 import os
 import pickle
@@ -19,6 +22,7 @@ import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +30,7 @@ import torch.distributed as dist
 import grow
 from model import GPT, GPTConfig
 from stepgpt import sharding
-from stepgpt.checkpoint import load_checkpoint
+from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from tests.helpers import write_dataset
@@ -54,10 +58,11 @@ def cpu_peak(fn):
     return max(live for _, live in cpu_allocation_timeline(fn))
 
 
-def _rank_checks(rank, port, out):
-    """Everything the quick tests assert, measured on one rank; rank 0 pickles what both found."""
+def _rank_checks(rank, ports, out, runs):
+    """Everything the slow in-process tests assert, measured on one rank; rank 0 pickles what both
+    found into `out`. Then train.py itself on these two ranks (_sharded_runs)."""
     from torch.distributed.tensor import DTensor
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     run = SimpleNamespace(device=torch.device("cpu"), world=WORLD, rank=rank, master=rank == 0,
                           dtype="float32", compiled=False, cfg=SimpleNamespace(eval_iters=2, eval_tokens=0))
@@ -76,12 +81,15 @@ def _rank_checks(rank, port, out):
         reference = GPT(CFG).state_dict()
         found["init equals one process"] = (state.keys() == reference.keys()
                                             and all(torch.equal(state[k], reference[k]) for k in state))
-    # a stage boundary (grow 2 layers, freeze 6) on rank 0's gathered copy, then sharded anew
+    # a stage boundary (grow 2 layers, freeze 6) on each rank's rows, then sharded anew
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(rank))
     model(idx, idx)[1].backward()
     opt.step()
-    model = sharding.next_stage(run, model, opt, lambda m: grow.next_stage(m, 2, seed=5))
+    grown = []
+    found["peak of a boundary / whole"] = cpu_peak(lambda: grown.append(
+        sharding.next_stage(run, model, opt, lambda m: grow.next_stage(m, 2, seed=5)))) / whole
+    model = grown[0]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model(idx, idx)[1].backward()
     opt.step()
@@ -132,6 +140,7 @@ def _rank_checks(rank, port, out):
     found["compiled block"] = (backend.frame_count, dict(counters["graph_break"]), ops)
     # the replica check compares the model's structure under FSDP: a rank that grew otherwise is stopped
     from stepgpt import runtime
+    config = model.config
     if rank == 1:   # as if rank 1 had frozen one layer fewer
         model.config = replace(model.config, frozen_layers=model.config.frozen_layers[:-1])
     try:
@@ -139,21 +148,179 @@ def _rank_checks(rank, port, out):
         found["replica check"] = "passed"
     except RuntimeError as e:
         found["replica check"] = str(e)
+    model.config = config
+    found.update(_boundary_checks(run, rank))
+    found.update(_checkpoint_checks(run, rank, model, os.path.dirname(out)))
     everything = [None] * WORLD
     dist.all_gather_object(everything, found)
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(everything, f)
     dist.destroy_process_group()
+    _sharded_runs(rank, ports[1:], runs)
+
+
+# the boundary's cases: (grow_init, grow_where, merge_rounding, train_embeddings, frozen_dtype), each value
+# of each with each of the others at least once, every rounding with both stores
+BOUNDARIES = [("mean", "upper", "nearest", True, "int8"), ("mean", "random", "stochastic", False, "bf16"),
+              ("copy", "upper", "stochastic", True, "bf16"), ("copy", "random", "nearest", False, "int8"),
+              ("zero", "upper", "stochastic", False, "int8"), ("zero", "random", "nearest", True, "bf16"),
+              ("stack", "upper", "nearest", False, "bf16"), ("stack", "random", "stochastic", True, "int8")]
+# 3 layers, the first frozen; 41 hidden units and rank 3 split unevenly over 2 ranks (21 + 20, 2 + 1 rows)
+BCFG = replace(CFG, n_layer=3, ffn_hidden=41, lora_rank=3, frozen_layers=(0,))
+
+
+def _trained(cfg, seed):
+    """GPT(cfg) as if trained a while: adapters that are not zero, norms that are not ones."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(std=0.05)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+    return model
+
+
+def _relora(seed, model):
+    model.merge_adapters("stochastic", torch.Generator().manual_seed(seed))
+
+
+def _boundary_checks(run, rank):
+    """Each boundary of BOUNDARIES (grow 2 layers) and a stochastic ReLoRA merge on each rank's rows,
+    against grow.next_stage (merge_adapters) on the same model whole, on rank 0: {case: (every tensor
+    bit for bit equal, the same config, the merge sums within rounding)}."""
+    found = {}
+    for i, (init, where, rounding, keep, dtype) in enumerate(BOUNDARIES + [("relora",) * 4 + ("int8",)]):
+        plain = _trained(replace(BCFG, frozen_dtype=dtype, tie_embeddings=i == 7), i)   # 7: tied too
+        model = sharding.from_state(run, plain.config, plain.state_dict())
+        if init == "relora":
+            merge = functools.partial(_relora, i)
+            sharding.merge_in_place(model, merge)
+        else:
+            merge = functools.partial(grow.next_stage, n_new=2, init=init, where=where, seed=7 + i,
+                                      train_embeddings=keep, rounding=rounding)
+            model = sharding.next_stage(run, model, torch.optim.AdamW(model.parameters()), merge)
+        got = sharding.full_state(model)
+        if rank == 0:
+            merge(plain)
+            want = plain.state_dict()
+            same = got.keys() == want.keys() and all(
+                got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+            sums = torch.allclose(model.last_merge, plain.last_merge, rtol=1e-6)
+            found[f"boundary {init} {where} {rounding} {keep} {dtype}"] = (
+                same, model.config == plain.config, sums)
+    return found
+
+
+def _checkpoint_checks(run, rank, model, folder):
+    """The same model and AdamW state saved gathered (a .pt file) and sharded (a .dcp folder, DCP),
+    then each resumed on these ranks: {what: bit for bit equal}; and, on rank 0 alone (one process),
+    both read whole: the same dict. Saved with fsdp_checkpoint=auto under two sizes of rank 0's RAM:
+    {"paths": each save's file name}."""
+    import train
+    from stepgpt import checkpoint
+    opt = train.configure_optimizer(model, load_config(["--fsdp=True"]), run.device)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(rank))
+    model(idx, idx)[1].backward()
+    opt.step()
+    want, want_opt, found, paths = sharding.full_state(model), sharding.full_optimizer_state(opt), {}, {}
+    for mode in ("gathered", "sharded"):
+        cfg = load_config(["--fsdp=True", f"--fsdp_checkpoint={mode}", f"--out_dir={folder}/saved-{mode}"])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        at = SimpleNamespace(**{**vars(run), "cfg": cfg, "meta": {}, "log": SimpleNamespace(wandb_id=None)})
+        torch.manual_seed(11)   # the same RNG state in both (a resume below draws from it)
+        paths[mode] = checkpoint.save(at, model, opt, 7, 1.0, evaluated=True)
+        _, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, sharded=True)
+        resumed = sharding.from_state(at, ckpt)
+        resumed_opt = train.configure_optimizer(resumed, cfg, run.device)
+        checkpoint.restore(ckpt, run.device, resumed, resumed_opt)
+        got, got_opt = sharding.full_state(resumed), sharding.full_optimizer_state(resumed_opt)
+        if rank == 0:
+            found[f"{mode} resumed"] = same_dicts(got, want) and same_dicts(got_opt, want_opt)
+    # fsdp_checkpoint=auto: rank 0's RAM (the others' is not asked) twice the weights and AdamW state,
+    # so a quarter does not hold them (sharded), then eight times (gathered)
+    nbytes, real = checkpoint._tensor_bytes([want, want_opt]) if rank == 0 else 0, checkpoint.host_memory
+    for mode, ram in (("auto", 2 * nbytes), ("auto-fits", 8 * nbytes)):
+        checkpoint.host_memory = lambda ram=ram: ram if rank == 0 else 0
+        cfg = load_config(["--fsdp=True", f"--out_dir={folder}/saved-{mode}"])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        at = SimpleNamespace(**{**vars(run), "cfg": cfg, "meta": {}, "log": SimpleNamespace(wandb_id=None)})
+        paths[mode] = checkpoint.save(at, model, opt, 7, 1.0, evaluated=True)
+    checkpoint.host_memory = real
+    if rank == 0:
+        found["paths"] = {m: os.path.basename(p) for m, p in paths.items()}
+        read = [checkpoint.load_checkpoint(paths[m]) for m in ("gathered", "sharded")]
+        for ckpt in read:   # the keys that differ by design: where each was written, and how
+            del ckpt["config"]["out_dir"], ckpt["config"]["fsdp_checkpoint"]
+        found["one format"] = same_dicts(*read)
+    return found
+
+
+def same_dicts(a, b):
+    """Two checkpoints' dicts hold the same keys and values, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_dicts(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_dicts(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def _sharded_runs(rank, ports, runs):
+    """train.py on these two ranks as torchrun would start it (its environment), for the docs' sharded
+    checkpoint command: to the end; in a copy, resumed from the checkpoint before its last, under
+    FSDP and under DDP (the command without --fsdp=True); and resumed from a copy whose newest folder
+    is damaged in a file that rank 1 verifies (its refusal written to refusal-RANK.txt)."""
+    import train
+    from stepgpt import checkpoint
+    command, out = runs
+    ddp = [a for a in command if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
+    names = ("sharded", "sharded-resumed", "ddp-resumed", "damaged", "damaged-header")
+    for port, name, args, extra in zip(ports, names, (command, command, ddp, command, command),
+                                       ([], ["--init_from=resume_previous"], ["--init_from=resume_previous"],
+                                        ["--init_from=resume"], ["--init_from=resume"])):
+        if rank == 0 and name != "sharded":   # the others wait for rank 0 in the process group's start
+            shutil.copytree(f"{out}/sharded", f"{out}/{name}")
+            newest = checkpoint.checkpoint_files(f"{out}/{name}")[0]
+            if name == "damaged":   # a byte of a file rank 1 hashes
+                with open(f"{newest}/__0_0.distcp", "r+b") as f:
+                    first = f.read(1)[0]
+                    f.seek(0)
+                    f.write(bytes([first ^ 0xFF]))   # same size: only its digest tells
+            if name == "damaged-header":   # the zip's end, which rank 0 reads before the others hash
+                with open(f"{newest}/header.pt", "r+b") as f:
+                    f.seek(-22, os.SEEK_END)
+                    f.write(b"\xff" * 22)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_PORT=str(port))
+        sharding._mesh.cache_clear()   # a mesh of the last process group, which train.main ended
+        try:
+            train.main(python(args[4:], f"{out}/{name}", *extra)[1:])
+        except UserError as e:
+            with open(f"{out}/refusal-{rank}.txt", "a") as f:
+                f.write(f"{name}: {e}\n")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """_rank_checks on 2 gloo ranks (a spawn: slow), what each rank found."""
-    out = tmp_path_factory.mktemp("fsdp") / "found.pkl"
-    torch.multiprocessing.spawn(_rank_checks, args=(_free_port(), str(out)), nprocs=WORLD)
-    with open(out, "rb") as f:
-        return pickle.load(f)
+def spawned(tmp_path_factory):
+    """_rank_checks on 2 gloo ranks (a spawn: slow): what each rank found, and the folder of the
+    sharded runs."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    data = write_dataset(tmp / "data", vocab=300)
+    runs = (sharded_command() + [f"--data_dir={data}"], str(tmp))
+    ports = [_free_port() for _ in range(6)]
+    torch.multiprocessing.spawn(_rank_checks, args=(ports, str(tmp / "found.pkl"), runs), nprocs=WORLD)
+    with open(tmp / "found.pkl", "rb") as f:
+        return pickle.load(f), tmp
+
+
+@pytest.fixture(scope="module")
+def ranks(spawned):
+    return spawned[0]
 
 
 @pytest.mark.slow
@@ -177,6 +344,116 @@ def test_a_model_built_from_scratch_is_never_whole_on_a_rank_and_equals_one_proc
         assert found["build peak / whole"] < 0.7, found["build peak / whole"]
         assert found["one process's build peak / whole"] >= 1.0
     assert ranks[0]["init equals one process"]   # GPT(cfg) from the same seed, tensor for tensor
+
+
+@pytest.mark.slow
+def test_a_boundary_on_each_rank_s_rows_equals_one_process_s_bit_for_bit(ranks):
+    """grow.next_stage run on each rank's own rows (sharding.next_stage) gives, gathered, what it
+    gives on the whole model: every init, both placements and roundings, with and without
+    train_embeddings, the int8 and bf16 stores; and a ReLoRA merge in place. No rank gathers the
+    model: each peaks below the whole model (the gathered path held all of it on rank 0)."""
+    cases = {k: v for k, v in ranks[0].items() if k.startswith("boundary ")}
+    assert len(cases) == len(BOUNDARIES) + 1 and all(v == (True, True, True) for v in cases.values()), cases
+    for found in ranks:
+        assert found["peak of a boundary / whole"] < 0.75, found["peak of a boundary / whole"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_gathered_or_sharded_holds_the_same_and_resumes_bit_for_bit(ranks):
+    """One model and AdamW state saved both ways: each resumes on 2 ranks to every bit of both;
+    read whole on one process, the .pt file and the .dcp folder give the same dict."""
+    found = ranks[0]
+    assert found["paths"] == {"gathered": "ckpt-00000007.pt", "sharded": "ckpt-00000007.dcp",
+                              "auto": "ckpt-00000007.dcp", "auto-fits": "ckpt-00000007.pt"}
+    assert found["gathered resumed"] and found["sharded resumed"] and found["one format"]
+
+
+@pytest.mark.slow
+def test_the_docs_sharded_command_writes_folders_that_resume_bit_for_bit(spawned):
+    """docs/distributed.md's sharded-checkpoint command (train.py on 2 ranks, scaled down): the
+    newest two checkpoints are folders, each rank's file, the header and the manifest in each; the
+    run resumed from the one before its last (--init_from=resume_previous) ends bit for bit where
+    it ended."""
+    _, tmp = spawned
+    out = tmp / "sharded"
+    names = [os.path.basename(p) for p in checkpoint_files(str(out))]
+    assert names == ["ckpt-00000012.dcp", "ckpt-00000010.dcp"]
+    for folder in checkpoint_files(str(out)):
+        assert sorted(os.listdir(folder)) == [".metadata", "MANIFEST.json", "__0_0.distcp", "__1_0.distcp",
+                                              "header.pt"]
+    assert os.path.isdir(tmp / "sharded-resumed" / "ckpt-00000012.dcp.superseded")
+    same_tensors(tmp / "sharded-resumed", out, exact=True)
+    assert (out / "sample.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_under_ddp(spawned):
+    """The docs' sharded run resumed from its checkpoint before the last (a .dcp folder) under DDP on
+    the same 2 ranks: each rank reads it whole, trains to the end and writes a .pt file, which holds
+    what the sharded run ended with (within float tolerance: another reduction order)."""
+    _, tmp = spawned
+    out = tmp / "ddp-resumed"
+    assert [os.path.basename(p) for p in checkpoint_files(str(out))] == ["ckpt-00000012.pt",
+                                                                         "ckpt-00000010.dcp"]
+    assert load_checkpoint(str(out))["config"]["fsdp"] is False
+    same_tensors(out, tmp / "sharded", exact=False)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(spawned):
+    """A byte changed in the newest folder's file that rank 1 hashes, or the end of its header (which
+    rank 0 reads and so hashes itself): both ranks refuse the resume in one line before any
+    training, naming the checkpoint before it."""
+    _, tmp = spawned
+    for rank in range(WORLD):
+        refusals = (tmp / f"refusal-{rank}.txt").read_text().splitlines()
+        assert [line.split(":")[0] for line in refusals] == ["damaged", "damaged-header"], refusals
+        for line, file in zip(refusals, ("__0_0.distcp", "header.pt")):
+            folder = tmp / line.split(":")[0]
+            assert line.split(": ", 1)[1] == (
+                f"checkpoint {folder}/ckpt-00000012.dcp is unusable (checksum mismatch in {file}: the folder "
+                f"is damaged); resume from the one before it, {folder}/ckpt-00000010.dcp, with "
+                f"--init_from=resume_previous"), line
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawned, capsys):
+    """The sharded run's checkpoint before its last resumed on one process (another world size:
+    each tensor read whole) to the end; a save that a kill interrupted (its temp folder) is removed
+    on the way; a truncated folder is refused naming the one before it; sample.py, grow.py and
+    export_hf.py read a folder."""
+    import export_hf
+    import sample
+    import train
+    _, tmp = spawned
+    one = tmp / "sharded-one"
+    shutil.copytree(tmp / "sharded", one)
+    os.makedirs(one / "ckpt-00000014.dcp.tmp")
+    command = single(sharded_command())
+    train.main(python(command[1:], one, f"--data_dir={tmp / 'data'}", "--init_from=resume_previous")[1:])
+    assert not os.path.exists(one / "ckpt-00000014.dcp.tmp")
+    assert checkpoint_files(str(one))[0] == str(one / "ckpt-00000012.pt")   # one process writes a file
+    same_tensors(one, tmp / "sharded", exact=False)
+    capsys.readouterr()
+    ckpt = str(tmp / "sharded")   # its newest checkpoint: a .dcp folder
+    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
+    assert capsys.readouterr().out.startswith("To be")
+    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
+    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
+    pytest.importorskip("safetensors")
+    export_hf.main([ckpt, str(tmp / "hf")])
+    assert (tmp / "hf" / "model.safetensors").is_file()
+    truncated = tmp / "truncated"
+    shutil.copytree(tmp / "sharded", truncated)
+    newest, before = checkpoint_files(str(truncated))
+    with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(str(truncated))
+    assert re.fullmatch(re.escape(f"the newest checkpoint of {truncated}, {newest}, is unusable "
+                                  f"(__1_0.distcp is 100 bytes, not ") + r"\d+" + re.escape(
+        f": the folder is truncated or damaged); the one before it is {before}: pass that file, or remove "
+        f"the unusable one"), str(e.value)), str(e.value)
 
 
 @pytest.mark.slow
@@ -213,7 +490,7 @@ def test_the_replica_check_stops_ranks_that_hold_another_model(ranks):
 
 @pytest.mark.parametrize("kw", [dict(frozen_layers=(0, 2)), dict(frozen_layers=(1,), frozen_dtype="bf16"),
                                 dict(frozen_layers=(0,), tie_embeddings=True, train_embeddings=False)])
-def test_the_meta_skeleton_is_gpt_s_tree_and_the_plain_copy_its_tensors(kw):
+def test_the_meta_skeleton_is_gpt_s_tree(kw):
     torch.manual_seed(0)
     cfg = replace(CFG, n_layer=3, **kw)
     model = GPT(cfg)
@@ -221,11 +498,7 @@ def test_the_meta_skeleton_is_gpt_s_tree_and_the_plain_copy_its_tensors(kw):
     assert all(p.is_meta for p in skeleton.parameters())
     tree = lambda m: [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()]  # noqa: E731
     assert tree(skeleton) == tree(model) and skeleton.config == model.config
-    plain = sharding.plain_model(cfg, model.state_dict())
-    assert tree(plain) == tree(model)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-    assert torch.equal(plain(idx, idx)[1], model(idx, idx)[1])
-    assert (plain.lm_head.weight is plain.wte.weight) == cfg.tie_embeddings
+    assert (skeleton.lm_head.weight is skeleton.wte.weight) == cfg.tie_embeddings
 
 
 def test_fsdp_with_zero1_another_optimizer_or_without_torchrun_is_refused_in_one_line(tmp_path):
@@ -254,17 +527,23 @@ SIZE = ["--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--ba
         "--eval_interval=2", "--eval_iters=4", "--log_interval=1", "--sample_tokens=20"]
 
 
-def docs_command():
-    """docs/distributed.md's FSDP command, as an argument list."""
+def docs_command(sharded=False):
+    """docs/distributed.md's FSDP command (with sharded checkpoints), as an argument list."""
     text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
-    lines = [line for line in re.findall(r"^(torchrun .*--fsdp=True.*)$", text, re.M)]
+    lines = [line for line in re.findall(r"^(torchrun .*--fsdp=True.*)$", text, re.M)
+             if ("--fsdp_checkpoint=sharded" in line) == sharded]
     assert len(set(lines)) == 1, lines
     return shlex.split(lines[0], comments=True)
 
 
+def sharded_command():
+    return docs_command(sharded=True)
+
+
 def single(command):
-    """The same run on one process: python train.py CONFIG KEYS, without --fsdp=True."""
-    return [a for a in command[3:] if a != "--fsdp=True"]
+    """The same run on one process: python train.py CONFIG KEYS, without --fsdp=True (and its
+    checkpoints' form)."""
+    return [a for a in command[3:] if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
 
 
 def torchrun(args, out, *extra):
