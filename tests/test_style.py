@@ -154,6 +154,12 @@ def test_no_module_of_ours_shadows_an_installed_one_or_another_of_ours():
                      for a in n.names}
             if names & (top | {"bench", "downstream", "tools"}):
                 assert "sys.path[0] = ROOT" in text, path
+
+
+@pytest.mark.slow
+def test_with_the_root_first_on_the_path_kernels_is_hugging_faces():
+    """The root on sys.path (as a script at the root has it): transformers, which imports Hugging
+    Face's `kernels`, finds theirs, not stepgpt/kernels."""
     pytest.importorskip("transformers")
     code = ("import kernels, transformers, bitsandbytes; from transformers import LlamaForCausalLM; "
             "assert 'site-packages' in kernels.__file__, kernels.__file__; print('ok')")
