@@ -136,6 +136,7 @@ def test_wandb_offline_run_holds_the_metrics_and_a_resume_adds_no_step_twice(tmp
     died_and_resumed(tmp_path, monkeypatch, "--wandb_log=True", "--wandb_run_name=tiny")
     out = capsys.readouterr().out
     assert out.count("wandb: offline (WANDB_MODE=offline)") == 2
+    wandb_env.teardown()   # W&B's service writes the transaction log on after run.finish(); this ends it
     folders = sorted(glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*")))
     assert len(folders) == 2 and len({f.rsplit("-", 1)[1] for f in folders}) == 1   # one run id
     run_id = folders[0].rsplit("-", 1)[1]
@@ -170,6 +171,7 @@ def test_wandb_without_an_api_key_runs_offline_and_says_so(tmp_path, wandb_env, 
     train.main(args(tmp_path, "--max_iters=4", "--eval_interval=2", "--wandb_log=True"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wandb: offline")]
     assert len(lines) == 1 and "no W&B API key" in lines[0] and "wandb sync " in lines[0]
+    wandb_env.teardown()
     (folder,) = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*"))
     assert [r["_step"] for r in wandb_history(folder)] == [0, 2, 4]
 
@@ -208,6 +210,7 @@ def test_wandb_without_a_server_runs_offline_after_the_timeout(tmp_path, monkeyp
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wandb: offline")]
     assert len(lines) == 1 and "the W&B server could not be used: CommError" in lines[0], lines
     assert timeouts == [(5, 5), (5, 5)]   # the online try, then offline
+    wandb_env.teardown()
     (folder,) = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*"))
     assert [r["_step"] for r in wandb_history(folder)] == [0, 2, 4]
 
