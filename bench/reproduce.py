@@ -102,16 +102,24 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def run_one(name, args, out_dir, launcher, log):
-    """Train (or resume) one run; -> its result dict (also written to out_dir/result.json)."""
+def finished(out_dir, args):
+    """The result out_dir/result.json holds, or None where the run has not finished; refused in one
+    line where it was made with other arguments (another --tokens or --set: not this run)."""
     done = os.path.join(out_dir, "result.json")
-    if os.path.isfile(done):
-        with open(done) as f:
-            result = json.load(f)
-        if result["args"] != args:   # another --tokens or --set: the old result is not this run
-            raise UserError(f"{done} is from other settings ({shlex.join(result['args'])}); "
-                            f"use another --out, or delete {out_dir} to redo it")
-        return result
+    if not os.path.isfile(done):
+        return None
+    with open(done) as f:
+        result = json.load(f)
+    if result["args"] != args:
+        raise UserError(f"{done} is from other settings ({shlex.join(result['args'])}); "
+                        f"use another --out, or delete {out_dir} to redo it")
+    return result
+
+
+def train(name, args, out_dir, launcher, log, script):
+    """Train one run of `script`'s grid, or resume it from its newest checkpoint: train.py's output
+    appended to out_dir/train.log. -> the seconds of every attempt (out_dir/wall.json: a resumed
+    run has several)."""
     os.makedirs(out_dir, exist_ok=True)
     resume = bool(checkpoint_files(out_dir))
     cmd = launcher + ["train.py"] + args + (["--init_from=resume"] if resume else [])
@@ -119,17 +127,33 @@ def run_one(name, args, out_dir, launcher, log):
     t0 = time.time()
     with open(os.path.join(out_dir, "train.log"), "a") as f:
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    wall_path = os.path.join(out_dir, "wall.json")   # seconds of each attempt (a resumed run has several)
+    wall_path = os.path.join(out_dir, "wall.json")
     walls = []
     if os.path.isfile(wall_path):
         with open(wall_path) as f:
             walls = json.load(f)
     walls.append(time.time() - t0)
-    with open(wall_path, "w") as f:
-        json.dump(walls, f)
+    save_json(wall_path, walls)
     if rc != 0:
         raise UserError(f"run {name} failed (exit {rc}); see {os.path.join(out_dir, 'train.log')}; "
-                        f"run bench/reproduce.py again to resume it")
+                        f"run {script} again to resume it")
+    return walls
+
+
+def save_json(path, value):
+    """value as JSON at path, written under a temporary name and renamed: never half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return value
+
+
+def run_one(name, args, out_dir, launcher, log):
+    """Train (or resume) one run; -> its result dict (also written to out_dir/result.json)."""
+    result = finished(out_dir, args)
+    if result is not None:
+        return result
+    walls = train(name, args, out_dir, launcher, log, "bench/reproduce.py")
     recs = read_metrics(out_dir)
     cfg = load_config(args)
     per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
@@ -146,10 +170,7 @@ def run_one(name, args, out_dir, launcher, log):
               "planned_bytes": None if cfg.optimizer == "galore" else planned_state(args, data_vocab),
               "val_curve": [(r["step"] * per_iter, r["val_loss"]) for r in vals],
               "stage_starts": [s * per_iter for s in stage_starts], "args": args}
-    with open(done + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(done + ".tmp", done)
-    return result
+    return save_json(os.path.join(out_dir, "result.json"), result)
 
 
 def table(rows, whats):

@@ -21,11 +21,9 @@ perplexity (eval_tokens of the val split), the peak GPU memory (torch.cuda.max_m
 rank 0; n/a on a CPU), tokens/s (the median of the log's), beside the published perplexities.
 """
 import argparse
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from unittest import mock
@@ -39,7 +37,7 @@ import grow
 from data.load import padded_vocab
 from model import GPT, FrozenLoRALinear
 from stepgpt import memory
-from stepgpt.checkpoint import checkpoint_files
+from bench.reproduce import finished, save_json, train
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
 from stepgpt.monitor import PEAK_FLOPS, perplexity, read_metrics
@@ -126,32 +124,10 @@ def total_iters(cfg):
 def run_one(name, args, out_dir, launcher, log):
     """Train, resume or skip one run. -> its result (also out_dir/result.json), or None where it
     stopped before its last step without an error (stop_at)."""
-    done = os.path.join(out_dir, "result.json")
-    if os.path.isfile(done):
-        with open(done) as f:
-            result = json.load(f)
-        if result["args"] != args:
-            raise UserError(f"{done} is from other settings ({shlex.join(result['args'])}); use another "
-                            f"--out, or delete {out_dir} to redo it")
+    result = finished(out_dir, args)
+    if result is not None:
         return result
-    os.makedirs(out_dir, exist_ok=True)
-    resume = bool(checkpoint_files(out_dir))
-    cmd = launcher + ["train.py"] + args + (["--init_from=resume"] if resume else [])
-    log(f"{name}: {'resuming' if resume else 'starting'}: {shlex.join(cmd)}")
-    t0 = time.time()
-    with open(os.path.join(out_dir, "train.log"), "a") as f:
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    wall_path = os.path.join(out_dir, "wall.json")   # seconds of each attempt
-    walls = []
-    if os.path.isfile(wall_path):
-        with open(wall_path) as f:
-            walls = json.load(f)
-    walls.append(time.time() - t0)
-    with open(wall_path, "w") as f:
-        json.dump(walls, f)
-    if rc != 0:
-        raise UserError(f"run {name} failed (exit {rc}); see {os.path.join(out_dir, 'train.log')}; run "
-                        f"bench/yardstick.py again to resume it")
+    walls = train(name, args, out_dir, launcher, log, "bench/yardstick.py")
     cfg = load_config(args)
     records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))[0]
     evals = [r for r in records if "val_loss" in r]
@@ -164,10 +140,7 @@ def run_one(name, args, out_dir, launcher, log):
     result = {"name": name, "final_val": evals[-1]["val_loss"], "ppl": perplexity(evals[-1]["val_loss"]),
               "steps": last, "tokens_per_s": statistics.median(speeds[1:] or speeds) if speeds else None,
               "peak_bytes": max(cuda) if cuda else None, "wall_s": sum(walls), "args": args}
-    with open(done + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(done + ".tmp", done)
-    return result
+    return save_json(os.path.join(out_dir, "result.json"), result)
 
 
 def results_table(rows):
