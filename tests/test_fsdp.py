@@ -417,13 +417,26 @@ def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(s
 
 
 @pytest.mark.slow
+def the_tools_read(ckpt, tmp, capsys):
+    """sample.py, grow.py and export_hf.py, in-process on one process, each read checkpoint `ckpt`
+    (a run folder: its newest checkpoint) into tmp/grown.pt and tmp/hf."""
+    import export_hf
+    import sample
+    capsys.readouterr()
+    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
+    assert capsys.readouterr().out.startswith("To be")
+    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
+    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
+    pytest.importorskip("safetensors")
+    export_hf.main([ckpt, str(tmp / "hf")])
+    assert (tmp / "hf" / "model.safetensors").is_file()
+
+
 def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawned, capsys):
     """The sharded run's checkpoint before its last resumed on one process (another world size:
     each tensor read whole) to the end; a save that a kill interrupted (its temp folder) is removed
     on the way; a truncated folder is refused naming the one before it; sample.py, grow.py and
     export_hf.py read a folder."""
-    import export_hf
-    import sample
     import train
     _, tmp = spawned
     one = tmp / "sharded-one"
@@ -434,15 +447,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawn
     assert not os.path.exists(one / "ckpt-00000014.dcp.tmp")
     assert checkpoint_files(str(one))[0] == str(one / "ckpt-00000012.pt")   # one process writes a file
     same_tensors(one, tmp / "sharded", exact=False)
-    capsys.readouterr()
-    ckpt = str(tmp / "sharded")   # its newest checkpoint: a .dcp folder
-    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
-    assert capsys.readouterr().out.startswith("To be")
-    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
-    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
-    pytest.importorskip("safetensors")
-    export_hf.main([ckpt, str(tmp / "hf")])
-    assert (tmp / "hf" / "model.safetensors").is_file()
+    the_tools_read(str(tmp / "sharded"), tmp, capsys)   # its newest checkpoint: a .dcp folder
     truncated = tmp / "truncated"
     shutil.copytree(tmp / "sharded", truncated)
     newest, before = checkpoint_files(str(truncated))
@@ -613,22 +618,13 @@ def test_the_docs_fsdp_command_trains_through_a_growth_with_one_process_s_val_lo
 def test_an_fsdp_checkpoint_resumes_samples_grows_and_exports_on_one_process(docs_run, capsys):
     """One format: the FSDP run's checkpoint before its last is resumed on one process to the end of
     the same run; sample.py, grow.py and export_hf.py read its final one."""
-    import export_hf
-    import sample
     tmp, data, command, _, _ = docs_run
     shutil.copytree(tmp / "fsdp", tmp / "fsdp-then-one")
     out = ok(python(single(command), tmp / "fsdp-then-one", f"--data_dir={data}",
                     "--init_from=resume_previous"))
     assert "world size : 1" in out and "resuming from" in out and "ckpt-00000010.pt (step 10)" in out
     same_tensors(tmp / "fsdp-then-one", tmp / "one", exact=False)
-    ckpt = str(tmp / "fsdp")
-    sample.main([f"--ckpt={ckpt}", "--max_new_tokens=10", "--prompt=To be", "--device=cpu"])
-    assert capsys.readouterr().out.startswith("To be")
-    grow.main([ckpt, "--add=1", "--freeze", f"--out={tmp / 'grown.pt'}"])
-    assert load_checkpoint(str(tmp / "grown.pt"))["model_args"]["n_layer"] == 3
-    pytest.importorskip("safetensors")
-    export_hf.main([ckpt, str(tmp / "hf")])
-    assert (tmp / "hf" / "model.safetensors").is_file()
+    the_tools_read(str(tmp / "fsdp"), tmp, capsys)
 
 
 # a train.py that sleeps after each step, so that a signal lands inside the run, not after its end
