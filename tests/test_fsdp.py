@@ -416,7 +416,6 @@ def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(s
                 f"--init_from=resume_previous"), line
 
 
-@pytest.mark.slow
 def the_tools_read(ckpt, tmp, capsys):
     """sample.py, grow.py and export_hf.py, in-process on one process, each read checkpoint `ckpt`
     (a run folder: its newest checkpoint) into tmp/grown.pt and tmp/hf."""
@@ -432,6 +431,7 @@ def the_tools_read(ckpt, tmp, capsys):
     assert (tmp / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawned, capsys):
     """The sharded run's checkpoint before its last resumed on one process (another world size:
     each tensor read whole) to the end; a save that a kill interrupted (its temp folder) is removed
