@@ -431,7 +431,7 @@ def _dequantize_to_scratch(q, scale, dtype):
     key = (q.device, dtype)
     if key not in _SCRATCH or _SCRATCH[key].numel() < q.numel():
         _SCRATCH[key] = torch.empty(q.numel(), dtype=dtype, device=q.device)
-    w = _SCRATCH[key][: q.numel()].view(q.shape)
+    w = _SCRATCH[key].narrow(0, 0, q.numel()).view(q.shape)
     return dequantize(q, scale, dtype, out=w)
 
 
