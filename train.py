@@ -400,7 +400,9 @@ def train(cfg):
 
         meter.done(best_val)
         if cfg.sample_tokens and (run.master or cfg.fsdp):   # FSDP: each forward takes every rank
-            with run.autocast:   # as training: FSDP's bf16 policy gathers the blocks' weights in bf16
+            # under the run's autocast, as training (FSDP's bf16 policy gathers blocks in bf16), and eager
+            # (FSDP's blocks, compiled in place, would recompile for each length the sample grows to)
+            with run.autocast, torch.compiler.set_stance("force_eager"):
                 text = sample_text(raw, run.meta, prompt="\n", max_new_tokens=cfg.sample_tokens,
                                    temperature=0.8, top_k=200, seed=cfg.seed, data_dir=cfg.data_dir)
             path = os.path.join(cfg.out_dir, "sample.txt")

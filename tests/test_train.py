@@ -404,24 +404,6 @@ def test_tokens_per_s_mfu_and_eta_leave_warm_up_out_from_the_second_log_line(tmp
         assert eta == pytest.approx((16 - m["step"]) * real / 60, abs=0.06), line
 
 
-@pytest.mark.slow
-def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_path, monkeypatch):
-    """--compile_cpu=True: torch.compile (inductor) on CPU, the frozen linears inside its graph,
-    recompiled at the stage change; the losses follow the eager run's."""
-    compiled_models, real_compile = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled_models.append(m) or real_compile(m, **kw))
-    common = ["--stage_layers=[1, 1]", "--max_iters=8", "--eval_interval=4"]
-    train.main(args(tmp_path / "eager", *common))
-    assert not compiled_models
-    train.main(args(tmp_path / "compiled", *common, "--compile_cpu=True"))
-    assert len(compiled_models) >= 2        # compiled again for the grown model
-    eager, compiled = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
-    losses = lambda ms: [m["val_loss"] for m in ms if "val_loss" in m]  # noqa: E731
-    assert len(losses(eager)) == len(losses(compiled)) == 3
-    for a, b in zip(losses(eager), losses(compiled)):
-        assert abs(a - b) < 1e-3, (losses(eager), losses(compiled))
-
-
 def test_a_checkpoint_written_before_the_run_settings_left_the_model_config_loads_and_resumes(tmp_path,
                                                                                                monkeypatch):
     """tests/data/ckpt-v1.pt (model_args with activation_checkpointing and loss_chunk, from commit
