@@ -17,7 +17,6 @@ and metrics (stepgpt/monitor.py).
 import hashlib
 import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -352,7 +351,7 @@ def train(cfg):
             run.log.print(f"eval only | train {losses['train']:.4f} | val {losses['val']:.4f}")
             return
 
-        meter = monitor.Meter(run)
+        meter = monitor.Meter(run, it)
         resumed_at = run.resumed_at
         with runtime.StopRequest() as stop, monitor.OutOfMemory(run) as oom:
             while True:
@@ -399,13 +398,13 @@ def train(cfg):
                                   f"--init_from=resume")
                     return
 
-        cuda = run.device.type == "cuda"
-        peak = f", peak cuda {monitor.fmt_bytes(torch.cuda.max_memory_allocated(run.device))}" if cuda else ""
-        run.log.print(f"done: {run.total_iters} iters, {run.total_iters * run.tokens_per_iter:,} tokens in "
-                      f"{(time.time() - meter.t_start) / 60:.1f} min, best val {best_val:.4f}{peak}")
+        meter.done(best_val)
         if cfg.sample_tokens and (run.master or cfg.fsdp):   # FSDP: each forward takes every rank
-            text = sample_text(raw, run.meta, prompt="\n", max_new_tokens=cfg.sample_tokens, temperature=0.8,
-                               top_k=200, seed=cfg.seed, data_dir=cfg.data_dir)
+            # under the run's autocast, as training (FSDP's bf16 policy gathers blocks in bf16), and eager
+            # (FSDP's blocks, compiled in place, would recompile for each length the sample grows to)
+            with run.autocast, torch.compiler.set_stance("force_eager"):
+                text = sample_text(raw, run.meta, prompt="\n", max_new_tokens=cfg.sample_tokens,
+                                   temperature=0.8, top_k=200, seed=cfg.seed, data_dir=cfg.data_dir)
             path = os.path.join(cfg.out_dir, "sample.txt")
             if run.master:
                 with open(path, "w") as f:

@@ -21,7 +21,8 @@
 # Slurm script. Settings, from the environment:
 #
 #   PYTHON              the interpreter (default python3: there may be no `python`), checked first:
-#                       torch, CUDA and Triton in one line, or one line on why it cannot run
+#                       torch, CUDA and Triton in one line, or one line on why it cannot run (a
+#                       package the selected steps import that it cannot import: all of them named)
 #   GPU_CHECK_OUT       the folder of every result and of gpu_check.log (default bench/)
 #   GPU_CHECK_DEADLINE  seconds this call may take in all (default 0: no limit). A step starts only if
 #                       its estimate fits in what is left, and its whole process group is killed
@@ -33,15 +34,19 @@
 #                       call starts from: for jobs that each start on a fresh machine with an empty
 #                       output folder (bench/GPU.md uses .gpu_check/results, copied to the next one)
 #
-# A step whose file is already in GPU_CHECK_OUT is skipped, so a call with the files of an earlier
-# one continues it (the log is appended to, never truncated); delete a file to run its step again.
-# A step that runs to its end keeps its file whatever its exit status (the log has it); one killed
-# at the deadline leaves what it wrote as NAME.partial.EXT and runs again in the next call. Tables
+# Each step that runs to its end keeps its file whatever its exit status, and its exit status is
+# recorded beside it, in GPU_CHECK_OUT/gpu_check.status (a line "STEP RC" each). A step whose file
+# is there and passed is done: a call with the files of an earlier one skips it and continues (the
+# log is appended to, never truncated). One whose file is there and failed stays failed (the call
+# exits 1) until its file is deleted; one whose file has no recorded status runs again. Delete a
+# file to run its step again. One killed at the deadline leaves what it wrote as NAME.partial.EXT
+# and runs again in the next call. Tables
 # are written as they grow (kernels.py after each shape, step_time.py after each window), the other
 # steps' output line by line. Triton's and inductor's caches live in .gpu_check/cache (git-ignored),
 # which a later call on the same machine reuses. Exit status: 0 when every selected step has passed
 # (in this call or an earlier one), 1 when one failed, 3 when steps are left for another call, 2 on
-# a bad setting or an interpreter that cannot run the check.
+# a bad setting or an interpreter that cannot run the check. A step that failed in an earlier call
+# counts as failed in every later one until its file is deleted: no call exits 0 over it.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
@@ -61,6 +66,16 @@ die() { echo "gpu_check: $*" >&2; exit 2; }
     || die "GPU_CHECK_DEADLINE=$DEADLINE leaves no time for a step: give 30 or more"
 for s in ${STEPS//,/ }; do
     [[ ,$ALL, == *,$s,* ]] || die "GPU_CHECK_STEPS names '$s': use some of $ALL"
+done
+# the packages each step's commands import (tests/test_bench.py checks them against the scripts'
+# own imports): the interpreter check imports those of the selected steps before any step runs
+declare -A IMPORTS=([kernels]="numpy torch triton" [kernel-tests]="pytest numpy torch triton"
+                    [train]="tiktoken numpy torch triton" [step-time]="tiktoken numpy torch triton"
+                    [memory-350m]="tiktoken pytest numpy torch triton"
+                    [memory-1b]="tiktoken pytest numpy torch triton")
+NEEDED=""   # STEP:PACKAGE ... of the selected steps, for the check
+for s in ${STEPS//,/ }; do
+    for m in ${IMPORTS[$s]}; do NEEDED="$NEEDED $s:$m"; done
 done
 command -v setsid >/dev/null || die "setsid (util-linux) is missing: without it no deadline can be kept"
 command -v "$PY" >/dev/null || die "no interpreter '$PY' on PATH: set PYTHON to the python that has torch"
@@ -119,13 +134,24 @@ echo "gpu_check call of $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd):" \
      "$([ "$SMOKE" = 1 ] && echo '(SMOKE: CPU, tiny) ')deadline ${DEADLINE}s, steps $STEPS," \
      "results in $OUTDIR"
 limited "$(upto 120)" "$PY" -c "
-import os, sys
-try:
-    import numpy, torch, triton
-except Exception as e:
-    sys.exit(f'gpu_check: $PY cannot import torch and triton ({type(e).__name__}: {e}): run in the '
-             'environment that has them, or set PYTHON to its interpreter')
-import importlib.util
+# gpu_check's interpreter check: every package the selected steps import, then the versions
+import importlib, importlib.util, os, sys
+needs = [pair.split(':') for pair in '$NEEDED'.split()]
+missing, steps = {}, []
+for step, name in needs:
+    if name not in missing:
+        try:
+            importlib.import_module(name)
+            missing[name] = None
+        except Exception as e:
+            missing[name] = f'{name} ({type(e).__name__}: {(str(e) or \"?\").splitlines()[0]})'
+    if missing[name] and step not in steps:
+        steps.append(step)
+if any(missing.values()):
+    sys.exit(f'gpu_check: $PY cannot import {\", \".join(m for m in missing.values() if m)}, which the '
+             f'steps {\", \".join(steps)} import: run in the environment that has them, or set PYTHON to its '
+             'interpreter')
+import numpy, torch, triton
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device'
 print(f'python {sys.version.split()[0]} ({sys.executable}) | torch {torch.__version__} '
       f'(CUDA {torch.version.cuda}) | triton {triton.__version__} | numpy {numpy.__version__} | {gpu} | '
@@ -142,6 +168,14 @@ open('$WORK/workers', 'w').write(str(workers))
 failed=0
 pending=0
 SUMMARY=()
+STATUS=$OUTDIR/gpu_check.status
+# status_of NAME: the exit status recorded for a step's file (nothing if none)
+status_of() { [ -f "$STATUS" ] && awk -v n="$1" '$1 == n { rc = $2 } END { printf "%s", rc }' "$STATUS"; }
+# record NAME RC: the step's exit status beside its file (the file rewritten whole, then renamed)
+record() {
+    { [ -f "$STATUS" ] && awk -v n="$1" '$1 != n' "$STATUS"; echo "$1 $2"; } > "$STATUS.tmp" \
+        && mv "$STATUS.tmp" "$STATUS"
+}
 # step NAME FILE NEED LIMIT MODE COMMAND...: run COMMAND for at most LIMIT seconds if NEED (its
 # estimate) fits before the deadline. MODE own: the command writes FILE itself (given as its --out);
 # tee: FILE is its output. FILE is in GPU_CHECK_OUT.
@@ -152,9 +186,20 @@ step() {
     [[ ,$STEPS, == *,$name,* ]] || return 0
     echo
     if [ -e "$file" ]; then
-        echo "=== $name: done in an earlier call ($file; delete it to run the step again)"
-        SUMMARY+=("$name: done in an earlier call, $file")
-        return 0
+        local was
+        was=$(status_of "$name")
+        if [ "$was" = 0 ]; then
+            echo "=== $name: done in an earlier call ($file; delete it to run the step again)"
+            SUMMARY+=("$name: done in an earlier call, $file")
+            return 0
+        elif [ -n "$was" ]; then
+            echo "=== $name: FAILED in an earlier call (rc=$was; $file and the log say how; delete it to" \
+                 "run the step again)"
+            SUMMARY+=("$name: failed in an earlier call (rc=$was), $file")
+            failed=1
+            return 0
+        fi
+        echo "=== $name: $file has no recorded exit status ($STATUS): the step runs again"
     fi
     left=$(left_s)
     if [ "$left" -lt "$need" ]; then
@@ -186,6 +231,7 @@ step() {
         echo "=== $name: rc=$rc in ${took}s"
         SUMMARY+=("$name: rc=$rc in ${took}s$([ -e "$file" ] && echo ", $file")")
         [ $rc -eq 0 ] || failed=1
+        record "$name" "$rc" || { echo "=== cannot write $STATUS"; failed=1; }
     fi
     keep
 }

@@ -46,7 +46,7 @@ import grow
 import train
 from data.load import planned_vocab
 from model import GPT, FrozenLoRALinear
-from stepgpt import memory
+from stepgpt import kernels, memory
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
 
@@ -122,10 +122,10 @@ def measure(args, device="cpu", timeline=cpu_memory_timeline):
         marks, shapes, cuda_peaks = [], [], []
 
         def mark(*m):
-            if device == "cuda":   # the peak of the window that ends here, then a new window
-                torch.cuda.synchronize()
-                cuda_peaks.append(torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
+            if device == "cuda":   # the peak of the window that ends here (the kernels' measurement
+                torch.cuda.synchronize()   # at a stage change left out), then a new window
+                cuda_peaks.append(kernels.training_peak("cuda"))
+                kernels.reset_peak("cuda")
             marks.append(m)
 
         def replay():

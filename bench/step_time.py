@@ -97,7 +97,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, block), generator=g).to(device)
     y = torch.randint(0, vocab, (batch, block), generator=g).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     for run in runs.values():
         for _ in range(args.warmup):

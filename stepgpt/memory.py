@@ -152,14 +152,17 @@ def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, c
     return int(max(state - grads + act, state + temp))
 
 
-def configured_peaks(tcfg, cfg, stage_layers, dtype):
+def configured_peaks(tcfg, cfg, stage_layers, dtype, world=1):
     """The step peak of each stage of the run config tcfg as it is configured (micro-batch,
-    checkpointing, chunked loss, optimizer) for the final model cfg, in `dtype` ("bfloat16": bf16
-    autocast, how a CUDA run trains)."""
+    checkpointing, chunked loss, optimizer, and on `world` ranks its fsdp or zero1) for the final
+    model cfg, in `dtype` ("bfloat16": bf16 autocast, how a CUDA run trains); per rank under FSDP
+    and ZeRO-1, as plan.py's per-GPU table."""
     optimizer = planned_optimizer(tcfg)
     frozen = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
+    shards = dict(fsdp_world=world if tcfg.fsdp else 1, zero_world=world if tcfg.zero1 else 1)
     return [step_peak_bytes(cfg, n, f, tcfg.batch_size * tcfg.block_size, tcfg.train_embeddings or f == 0,
-                            tcfg.activation_checkpointing, tcfg.loss_chunk, optimizer=optimizer, dtype=dtype)
+                            tcfg.activation_checkpointing, tcfg.loss_chunk, optimizer=optimizer, dtype=dtype,
+                            **shards)
             for n, f in zip(stage_layers, frozen)]
 
 

@@ -299,16 +299,26 @@ def describe(run):
     opt = memory.planned_optimizer(cfg)
     plan = grow.stage_memory(final, run.stage_layers, memory.state_bytes,
                              train_embeddings=cfg.train_embeddings, optimizer=opt)
-    peaks = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)
+    peaks = planned_peaks(run)
     galore = ", which GaLore's projection lowers" if cfg.optimizer == "galore" else ""
+    shared = "FSDP" if cfg.fsdp else "ZeRO-1" if cfg.zero1 else None
+    per_rank = f" per rank ({shared} on {run.world} ranks)" if shared and run.world > 1 else ""
     run.log.print(f"planned (int8 accounting, {opt} state{galore}): model state "
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan))
-                  + f"; step peak with {run.dtype} activations "
+                  + f"; step peak{per_rank} with {run.dtype} activations "
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
-    if device.type == "cuda":
-        warning = memory_warning(max(peaks), torch.cuda.mem_get_info(device)[0], device)
+    if device.type == "cuda":   # against what the GPU had free before the model was placed: what is
+        # free now, and what this process's allocator holds (the model, or its shards)
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+        warning = memory_warning(max(peaks), free, device)
         if warning:
             run.log.print(warning)
+
+
+def planned_peaks(run):
+    """The planned step peak of each stage of `run` as configured: per rank under FSDP and ZeRO-1."""
+    final = grow.model_config(run.cfg, run.depth[-1], run.vocab_size)
+    return memory.configured_peaks(run.cfg, final, run.stage_layers, run.dtype, world=run.world)
 
 
 # the keys that lower a step's peak memory, as the lines that name them say it
@@ -322,7 +332,7 @@ def memory_warning(planned, free, device):
     if planned <= free:
         return None
     return (f"warning: the planned step peak, {fmt_bytes(planned)}, is over the {fmt_bytes(free)} free on "
-            f"{device}: {LOWER_PEAK}")
+            f"{device} before the model was placed: {LOWER_PEAK}")
 
 
 class OutOfMemory:
@@ -379,8 +389,7 @@ def out_of_memory_line(run, step, error):
     the newest checkpoint to resume from."""
     cfg = run.cfg
     stage = run.stage_of(step)
-    final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
-    planned = memory.configured_peaks(cfg, final, run.stage_layers, run.dtype)[stage]
+    planned = planned_peaks(run)[stage]
     # the CPU allocator says "tried to allocate N bytes", CUDA and numpy "allocate 2.00 GiB"
     size = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)", str(error))
     asked = fmt_bytes(int(size[1])) if size and size[1] else size[2] if size else "an amount it does not say"
@@ -423,35 +432,46 @@ def peak_flops(device):
 
 
 class Meter:
-    """Step time averaged over log intervals (the first, with compile and warm-up, left out), and
-    the log line."""
+    """The log line: loss, step time, and tokens/s, MFU and ETA from the average step time of the
+    intervals of training alone (an exponential moving average). Warm-up is left out: the first
+    interval of a run or of a resume (torch.compile's compilation, the first eval, the kernels'
+    measurement) and one that crosses a stage boundary (the growth, a recompilation and a new
+    measurement, for a model whose step takes another time: the average starts again after it).
+    Until an interval of training alone has ended, the line shows its own interval's rate and no MFU."""
 
-    def __init__(self, run):
+    def __init__(self, run, it):
         self.run, self.peak = run, peak_flops(run.device)
         self.t_start = self.t_last = time.time()
+        self.it_last, self.stage = it, None   # no stage yet: the first interval is warm-up
         self.ema_dt = None
 
     def log(self, it, stage, model, loss, norm, lr):
-        run, cfg = self.run, self.run.cfg
+        run = self.run
         if run.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(run.device)
         now = time.time()
-        dt = (now - self.t_last) / cfg.log_interval
-        self.t_last = now
-        warm = it > cfg.log_interval
-        self.ema_dt = dt if self.ema_dt is None or not warm else 0.9 * self.ema_dt + 0.1 * dt
-        tok_s = run.tokens_per_iter / self.ema_dt
+        dt = (now - self.t_last) / (it - self.it_last)   # a resume's first interval may be short
+        warm = stage == self.stage
+        if not warm:
+            self.ema_dt = None
+        elif self.ema_dt is None:
+            self.ema_dt = dt
+        else:
+            self.ema_dt = 0.9 * self.ema_dt + 0.1 * dt
+        self.t_last, self.it_last, self.stage = now, it, stage
+        step_s = self.ema_dt or dt
+        tok_s = run.tokens_per_iter / step_s
         mfu = None
-        if self.peak and warm:   # the model's FLOPs per token change at each growth
+        if self.peak and self.ema_dt:   # the model's FLOPs per token change at each growth
             mfu = 100 * model.estimate_flops() * tok_s / (self.peak * run.world)
         tr, fr = model.num_params()
         plan = memory.state_bytes(model.config, train_embeddings=model.config.train_embeddings,
                                   optimizer=memory.planned_optimizer(run.cfg))
-        cuda_peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
+        cuda_peak = kernels.training_peak(run.device) if run.device.type == "cuda" else None
         loss_v = loss.item()
         mfu_s = f"{mfu:5.1f}%" if mfu is not None else "  n/a"
         cuda_s = f" | cuda peak {fmt_bytes(cuda_peak)}" if cuda_peak is not None else ""
-        eta = (run.total_iters - it) * self.ema_dt / 60
+        eta = (run.total_iters - it) * step_s / 60
         run.log.print(f"step {it:>6}/{run.total_iters} | stage {stage + 1}/{len(run.depth)} | loss "
                       f"{loss_v:.4f} | lr {lr:.2e} | norm {norm.item():6.3f} | {1000 * dt:7.1f}ms | "
                       f"{tok_s:9,.0f} tok/s | mfu {mfu_s} | train {fmt_count(tr)} frozen {fmt_count(fr)} | "
@@ -459,3 +479,11 @@ class Meter:
         run.log.record(step=it, stage=stage + 1, loss=loss_v, lr=lr, grad_norm=norm.item(),
                        ms_per_step=1000 * dt, tokens_per_s=tok_s, mfu=mfu, trainable=tr, frozen=fr,
                        plan_bytes=plan, cuda_max_allocated=cuda_peak)
+
+    def done(self, best_val):
+        """The run's last line: its tokens, wall time, best val loss and, on CUDA, training's peak."""
+        run = self.run
+        cuda = run.device.type == "cuda"
+        peak = f", peak cuda {fmt_bytes(kernels.training_peak(run.device))}" if cuda else ""
+        run.log.print(f"done: {run.total_iters} iters, {run.total_iters * run.tokens_per_iter:,} tokens in "
+                      f"{(time.time() - self.t_start) / 60:.1f} min, best val {best_val:.4f}{peak}")

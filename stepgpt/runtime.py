@@ -9,15 +9,13 @@ import torch.distributed as dist
 
 from stepgpt import sharding
 from stepgpt.checkpoint import tensor_digest
-from stepgpt.errors import UserError
 
 
 def precision(cfg, device):
     """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (train.py's runs and
-    bench/step_time.py's timed steps alike)."""
+    bench/step_time.py's timed steps alike). dtype=bfloat16 is bf16 autocast on CPU too: with
+    compile_cpu it runs a GPU run's precision and compilation on a CPU."""
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype == "bfloat16" and device.type == "cpu":
-        raise UserError("dtype=bfloat16 autocast is for CUDA here; use --dtype=float32 on CPU")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()

@@ -148,6 +148,11 @@ def prepared_text(path):
     return path
 
 
+def statuses(out):
+    """gpu_check.status in `out`: {step: its recorded exit status}."""
+    return dict(line.split() for line in (out / "gpu_check.status").read_text().splitlines())
+
+
 def summary(log):
     """The last summary of a gpu_check log: {step: its line}."""
     lines = log.split("gpu_check summary")[-1].splitlines()[1:]
@@ -244,13 +249,14 @@ def test_gpu_check_as_two_offline_jobs_then_a_batch_job(tmp_path):
     done = [s for s, line in steps.items() if ": rc=0 in" in line]
     assert "kernels" in done and list(steps) == list(GPU_FILES), log[-3000:]
     assert all("skipped for the deadline" in steps[s] for s in ("memory-350m", "memory-1b")), steps
-    assert files == {"gpu_check.log"} | {GPU_FILES[s] for s in done} | {
+    assert files == {"gpu_check.log", "gpu_check.status"} | {GPU_FILES[s] for s in done} | {
         GPU_FILES[s].replace(".", ".partial.") for s in steps if "partial:" in steps[s]}
     assert second.returncode == 0 and "all steps passed" in log2, log2[-3000:]
     assert log2.startswith(log) and log2.count("gpu_check call of") == 2
     assert all(("done in an earlier call" in steps2[s]) == (s in done) for s in GPU_FILES), steps2
     assert all(": rc=0 in" in steps2[s] for s in GPU_FILES if s not in done), steps2
-    assert files2 == {"gpu_check.log", *GPU_FILES.values()}
+    assert files2 == {"gpu_check.log", "gpu_check.status", *GPU_FILES.values()}
+    assert statuses(batch_out) == dict.fromkeys(GPU_FILES, "0")
     assert "train: rc=0" in log2 and "sample written to" in log2
     assert "| 350M |" not in (batch_out / "kernels_gpu.md").read_text()   # the CPU check's lines
 
@@ -276,7 +282,7 @@ def stub_interpreter(tmp_path, scripts):
         "#!/bin/sh\n"
         f'if [ "$1" = -c ]; then echo -c; else echo "$*"; fi >> {tmp_path / "calls"}\n'
         'case "$1 $2" in\n'
-        '"-c "*"import numpy, torch, triton"*)   # the check writes its workers file; no xdist here\n'
+        '"-c "*"interpreter check"*)   # the check writes its workers file; no xdist here\n'
         "    printf 0 > \"$(printf '%s' \"$2\" | sed -n \"s/.*open('\\([^']*workers\\)'.*/\\1/p\")\"\n"
         "    echo 'python stub | no CUDA device'; exit 0;;\n"
         + "".join(f'"{script} "*) {line}; exit $?;;\n' for script, line in scripts.items()) +
@@ -338,13 +344,24 @@ def test_gpu_check_trains_on_gpu_check_data_or_says_it_is_missing(tmp_path):
 
 def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
     """A bad setting, a missing interpreter, one without torch (here this one, isolated from its
-    site-packages) and, outside SMOKE, no CUDA device: exit status 2 and one line naming the fix."""
+    site-packages), one without tiktoken and pytest (hidden by modules of their names that fail to
+    import) and, outside SMOKE, no CUDA device: exit status 2 and one line naming the fix (each
+    package the selected steps import that cannot be imported, and those steps), before any step."""
     (tmp_path / "bare").write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
     os.chmod(tmp_path / "bare", 0o755)
+    os.makedirs(tmp_path / "hide")
+    for name in ("tiktoken", "pytest"):
+        (tmp_path / "hide" / f"{name}.py").write_text(f"raise ModuleNotFoundError('No module {name}')\n")
+    hide = {"PYTHONPATH": str(tmp_path / "hide"), "SMOKE": "1"}
+    no = "(ModuleNotFoundError: No module"
     cases = [({"GPU_CHECK_DEADLINE": "8m"}, "GPU_CHECK_DEADLINE=8m is not a whole number of seconds"),
              ({"GPU_CHECK_STEPS": "kernels,bench"}, "GPU_CHECK_STEPS names 'bench': use some of kernels,"),
              ({"PYTHON": "no-such-python"}, "no interpreter 'no-such-python' on PATH: set PYTHON"),
-             ({"PYTHON": str(tmp_path / "bare")}, "cannot import torch and triton (ModuleNotFoundError"),
+             ({"PYTHON": str(tmp_path / "bare")}, f"cannot import numpy {no} named 'numpy'), torch {no}"),
+             (hide, f"cannot import pytest {no} pytest), tiktoken {no} tiktoken), which the steps "
+                    "kernel-tests, train, step-time, memory-350m, memory-1b import: run in the environment"),
+             ({**hide, "GPU_CHECK_STEPS": "train"}, f"import tiktoken {no} tiktoken), which the steps train "
+                                                    "import"),
              ({}, "sees no CUDA device: run on a GPU machine (SMOKE=1 bash bench/gpu_check.sh is the CPU")]
     for extra, message in cases:
         if extra == {} and torch.cuda.is_available():
@@ -355,6 +372,67 @@ def test_gpu_check_says_in_one_line_why_it_cannot_run(tmp_path):
                               timeout=HANG, env=env)
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("gpu_check: ")]
         assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
+        out = tmp_path / "out"   # no step ran: at most the log is there
+        assert "===" not in proc.stdout and (not out.exists() or os.listdir(out) in ([], ["gpu_check.log"]))
+
+
+def test_gpu_check_names_each_package_its_steps_import():
+    """The packages gpu_check.sh's interpreter check imports for each step are those the step's
+    scripts import, of the project's dependencies (a step that needs one the check left out would die
+    on its import after the steps before it had spent the job's time)."""
+    text = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    declared = text.split("declare -A IMPORTS=", 1)[1].split("\n\n")[0]
+    table = dict(re.findall(r'\[([\w-]+)\]="([\w ]+)"', declared))
+    scripts = {"kernels": "bench.kernels", "kernel-tests": "pytest, tests.test_kernels", "train": "train",
+               "step-time": "bench.step_time", "memory-350m": "tests.helpers, bench.peak_memory"}
+    assert set(table) == set(GPU_FILES) and table["memory-1b"] == table["memory-350m"]
+    ours = {"numpy", "torch", "triton", "tiktoken", "pytest", "tqdm"}   # requirements*.txt
+    for step, modules in scripts.items():
+        code = (f"import sys; import {modules}; "
+                "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              timeout=HANG)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        imported = set(proc.stdout.split()) & ours - {"tqdm"}   # torch's own, optional there
+        assert imported == set(table[step].split()), (step, imported, table[step])
+
+
+def test_gpu_check_keeps_a_failed_step_failed_in_every_later_call(tmp_path):
+    """SMOKE=1 with bench/kernels.py replaced by a stub that writes its table and exits 1: the call
+    exits 1 and records each step's exit status beside its file; the next call with the same files
+    runs neither step again, says the failed one failed in an earlier call and exits 1, not 0 (its
+    file is there). With the file deleted and the stub passing, the step runs and the call exits 0;
+    a file with no recorded status runs its step again."""
+    out = tmp_path / "out"
+    write = 'for a; do [ "$p" = --out ] && o=$a; p=$a; done; echo table > "$o"'
+    stub = stub_interpreter(tmp_path, {"bench/kernels.py": f"{write}; exit 1", "bench/step_time.py": write})
+    env = {**os.environ, "SMOKE": "1", "GPU_CHECK_OUT": str(out), "GPU_CHECK_STEPS": "kernels,step-time",
+           "PYTHON": str(stub)}
+
+    def call():
+        proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=HANG, env=env)
+        return proc.returncode, summary((out / "gpu_check.log").read_text()), proc.stdout
+
+    def scripts_run():
+        return [c.split()[0] for c in (tmp_path / "calls").read_text().splitlines() if c != "-c"]
+
+    status, steps, log = call()
+    assert status == 1 and "SOME STEPS FAILED" in log and "kernels: rc=1" in steps["kernels"], log
+    assert statuses(out) == {"kernels": "1", "step-time": "0"} and scripts_run() == ["bench/kernels.py",
+                                                                                      "bench/step_time.py"]
+    status, steps, log = call()   # the next call: nothing runs again, and it does not pass
+    assert status == 1 and "all steps passed" not in log and scripts_run() == ["bench/kernels.py",
+                                                                               "bench/step_time.py"]
+    assert steps["kernels"] == "kernels: failed in an earlier call (rc=1), " + str(out / "kernels_gpu.md")
+    assert steps["step-time"].startswith("step-time: done in an earlier call"), steps
+    os.remove(out / "kernels_gpu.md")
+    stub = stub_interpreter(tmp_path, {"bench/kernels.py": write, "bench/step_time.py": write})
+    (out / "gpu_check.status").write_text("kernels 1\n")   # step-time's file without a status
+    status, steps, log = call()
+    assert status == 0 and "all steps passed" in log and statuses(out) == {"kernels": "0", "step-time": "0"}
+    assert "step_time_350m.md has no recorded exit status" in log and scripts_run()[2:] == [
+        "bench/kernels.py", "bench/step_time.py"]
 
 
 def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, capsys):

@@ -746,6 +746,48 @@ def test_the_docs_sharded_plans_run_scaled_down_in_depth(capsys):
         assert settings == ["DDP", f"ZeRO-1/{world}", f"FSDP/{world}"] * stages, out
 
 
+def test_the_start_up_memory_check_is_per_rank_against_the_gpus_memory_before_the_model(monkeypatch, capsys):
+    """The section's STEP 7B on 2 x 24 GB, at train.py's start on a (fake) 24 GB GPU that had 22 GiB
+    free before the model was placed (7 GiB of it now held by this process's allocator): the planned
+    step peak the log prints and checks is plan.py's per-GPU one for the run's setting (FSDP/2 and
+    ZeRO-1/2 rows), so an FSDP run that fits does not warn; DDP's whole peak, 39.83 GiB, does, against
+    the 22 GiB (not the 15 free after the model)."""
+    import plan
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from stepgpt import monitor
+    (command,) = [c for c in section_commands("python plan.py") if c[2] == "config/step_7b.py"]
+    keys = [a for a in command[3:] if a.startswith("--") and "=" in a]
+    world = int(command[command.index("--world") + 1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (15 * 2**30, 24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * 2**30)
+    for mode in ("fsdp", "zero1", "ddp"):
+        shards = [f"--{mode}=True"] if mode != "ddp" else []
+        tcfg, cfg, _, _ = plan.final_model(SimpleNamespace(rank=0, vocab=0, keys=keys + shards), command[2])
+        layers = grow.stage_plan(tcfg, cfg.vocab_size, tcfg.batch_size * tcfg.block_size)[0]
+        plan.sharded_table(tcfg, cfg, layers, world, 24)
+        name = {"ddp": "DDP", "zero1": f"ZeRO-1/{world}", "fsdp": f"FSDP/{world}"}[mode]
+        table = [float(row.split()[9]) for row in capsys.readouterr().out.splitlines() if f" {name} " in row]
+        lines = []
+        run = SimpleNamespace(cfg=tcfg, device=torch.device("cuda:0"), world=world, dtype="bfloat16",
+                              compiled=True, data={"train": np.zeros(8), "val": np.zeros(8)},
+                              meta={"vocab_size": 32000}, vocab_size=cfg.vocab_size, tokens_per_iter=1,
+                              stage_layers=layers, stage_iters=[1] * len(layers),
+                              depth=list(np.cumsum(layers)), log=SimpleNamespace(print=lines.append,
+                                                                                 config=lambda values: None))
+        with FakeTensorMode():   # the device probe's CUDA tensor, on a CPU build
+            monitor.describe(run)
+        planned = next(line for line in lines if line.startswith("planned"))
+        logged = [float(v) for v in re.findall(r"stage \d+ ([\d.]+)GiB", planned.split("; step peak")[1])]
+        assert logged == pytest.approx(table, abs=0.006) and len(table) == 4, (planned, table)
+        per_rank = f" per rank ({name.split('/')[0]} on 2 ranks)" if mode != "ddp" else ""
+        assert f"step peak{per_rank} with bfloat16 activations" in planned
+        warnings = [line for line in lines if line.startswith("warning")]
+        assert len(warnings) == (max(table) > 22) == (mode != "fsdp"), lines   # the docs' fit, and no other
+        over = f"{max(table):.2f}GiB, is over the 22.00GiB free on cuda:0 before the model was placed"
+        assert all(over in line for line in warnings), warnings
+
+
 @pytest.mark.slow
 def test_the_docs_cpu_measurement_of_fsdp_against_ddp_runs_scaled_down(tmp_path):
     """bench/peak_memory.py --ranks 2 as the section shows it, the model scaled down: each rank's

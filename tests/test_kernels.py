@@ -6,11 +6,13 @@ tests compile them for real (fp32 as tf32, as train.py runs it), and the `gpu` t
 full autotuning. The `dispatch` fixture runs the fp32 tests twice on CPU: as the interpreter
 dispatches, and taking CUDA's decisions (kernels._on_gpu patched: fp32 only with TF32 allowed).
 """
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -409,6 +411,129 @@ def test_under_ddp_rank_0s_measured_choice_holds_on_every_rank(tmp_path):
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0: hybrid" in proc.stdout and "rank 1: hybrid" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# devices and memory, CUDA's decisions on any machine: fake CUDA tensors on a second GPU
+
+REAL_CUDA_TIME = kernels._cuda_time   # _clean_env replaces it with a fixed table
+MIB = 2**20
+
+
+@pytest.fixture
+def second_gpu(monkeypatch):
+    """Fake CUDA tensors (FakeTensorMode: shapes, dtypes and devices, no data) and torch.cuda's
+    current device, events, synchronisation and peak statistics as recorders, device 0 current; every
+    Triton kernel a recorder of the device current at its launch, which "allocates" 256 MiB there
+    (the autotuner's L2-flush buffer; training's own peak so far is 100 MiB, 40 MiB live). ->
+    (the fake mode, what was recorded: launches and events as (name, current device, the tensors'
+    devices), the allocator's state)."""
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    seen = {"launches": [], "events": [], "current": [0], "peak": 100 * MIB, "live": 40 * MIB, "resets": []}
+
+    class Device:   # torch.cuda.device(d): d current inside
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            seen["current"].append(self.index)
+
+        def __exit__(self, *exc):
+            seen["current"].pop()
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            seen["events"].append(("event", seen["current"][-1], None))
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    class Kernel:   # kernel[grid](*args): a launch
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                devices = {a.device.index for a in args if torch.is_tensor(a)}
+                seen["launches"].append((self.name, seen["current"][-1], devices))
+                seen["peak"] = max(seen["peak"], seen["live"] + 256 * MIB)
+            return launch
+
+    def reset(device):
+        seen["resets"].append(torch.device(device).index)
+        seen["peak"] = seen["live"]
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: seen["current"][-1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    sm = SimpleNamespace(multi_processor_count=4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: sm)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: seen["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    for name in ("_lora_down_kernel", "_fwd_kernel", "_lora_bwd_kernel", "_dx_kernel", "_dequantize_kernel"):
+        monkeypatch.setattr(frozen_lora, name, Kernel(name))
+    monkeypatch.setattr(frozen_lora, "_SCRATCH", {})   # it would keep a fake buffer
+    monkeypatch.setattr(kernels, "PEAK_BEFORE", {})
+    return FakeTensorMode(), seen
+
+
+def _layer_on(device, m=300, n=24, k=40, r=8):
+    """-> x [M, K], q [N, K] int8, scale [N], A [r, K], B [N, r] on `device`."""
+    empty = functools.partial(torch.empty, device=device)
+    return empty(m, k), empty(n, k, dtype=torch.int8), empty(n), empty(r, k), empty(n, r)
+
+
+@pytest.mark.parametrize("path", frozen_lora.PATHS)
+def test_the_launchers_launch_on_the_tensors_device_not_the_current_one(second_gpu, path):
+    """Triton launches on the current CUDA device: the launchers (which the frozen linear's custom
+    op calls) make the tensors' own device current first, here cuda:1 with cuda:0 current (as
+    bench/step_time.py --set device=cuda:1 runs, which sets no device)."""
+    mode, seen = second_gpu
+    with mode:
+        x, q, scale, a, b = _layer_on("cuda:1")
+        y, s = frozen_lora.forward(path, x, q, scale, a, b, 2.0)
+        frozen_lora.backward(path, torch.empty_like(y), x, q, scale, a, b, s, 2.0, True)
+    names = {name for name, _, _ in seen["launches"]}
+    assert names == {"_lora_down_kernel", "_lora_bwd_kernel"} | (
+        {"_dequantize_kernel"} if path == "hybrid" else {"_fwd_kernel", "_dx_kernel"})
+    assert all(current == 1 and devices == {1} for _, current, devices in seen["launches"]), seen["launches"]
+    assert seen["current"] == [0]   # and device 0 current again after
+
+
+def test_the_kernels_measurement_is_timed_on_the_tensors_device_and_left_out_of_the_peak(second_gpu):
+    """kernels.measure() times every path by CUDA events on the tensors' device (cuda:1), and the
+    memory it allocates there (the autotuner's 256 MiB flush buffer; vanilla runs never measure) is
+    no part of the peak a run reports: training's 100 MiB before it, the peak since after it."""
+    from stepgpt import monitor
+    mode, seen = second_gpu
+    kernels._cuda_time = REAL_CUDA_TIME   # the events, not _clean_env's table (monkeypatch restores it)
+    # the reference's shapes alone (its math indexes in ways fake CUDA tensors cannot on a CPU build)
+    reference = (lambda x, q, scale, a, b, s: (x.new_empty(len(x), len(q)), x.new_empty(len(x), len(a))),
+                 lambda *args: (None, None, None))
+    with mode:
+        x, q, scale, a, b = _layer_on("cuda:1")
+        kernels.measure(x, q, scale, a, b, 2.0, reference)
+    assert seen["launches"] and all(current == 1 for _, current, _ in seen["launches"])
+    assert seen["events"] and all(current == 1 for _, current, _ in seen["events"])
+    assert seen["resets"] == [1]
+    device = torch.device("cuda:1")
+    assert kernels.training_peak(device) == 100 * MIB          # not 40 + 256 MiB
+    lines = []   # the run's last line
+    run = SimpleNamespace(device=device, total_iters=10, tokens_per_iter=64,
+                          log=SimpleNamespace(print=lines.append))
+    monitor.Meter(run, 0).done(best_val=1.0)
+    assert lines[-1].endswith("peak cuda 100.0MiB")
+    seen["peak"] = 150 * MIB   # training goes on above its old peak
+    assert kernels.training_peak("cuda:1") == 150 * MIB
+    kernels.reset_peak(device)   # bench/peak_memory.py's windows
+    assert kernels.training_peak(device) == seen["live"] and seen["resets"] == [1, 1]
 
 
 def test_dispatch_env(monkeypatch):

@@ -3,6 +3,7 @@ about what a user sees on the terminal)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -359,22 +360,48 @@ def test_adamw8bit_trains_through_a_growth_resumes_exactly_and_holds_8bit_moment
             load_config(args(tmp_path / "c", *common, bad, data=data))
 
 
-@pytest.mark.slow
-def test_compile_on_cpu_when_asked_trains_through_a_stage_change_like_eager(tmp_path, monkeypatch):
-    """--compile_cpu=True: torch.compile (inductor) on CPU, the frozen linears inside its graph,
-    recompiled at the stage change; the losses follow the eager run's."""
-    compiled_models, real_compile = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled_models.append(m) or real_compile(m, **kw))
-    common = ["--stage_layers=[1, 1]", "--max_iters=8", "--eval_interval=4"]
-    train.main(args(tmp_path / "eager", *common))
-    assert not compiled_models
-    train.main(args(tmp_path / "compiled", *common, "--compile_cpu=True"))
-    assert len(compiled_models) >= 2        # compiled again for the grown model
-    eager, compiled = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
-    losses = lambda ms: [m["val_loss"] for m in ms if "val_loss" in m]  # noqa: E731
-    assert len(losses(eager)) == len(losses(compiled)) == 3
-    for a, b in zip(losses(eager), losses(compiled)):
-        assert abs(a - b) < 1e-3, (losses(eager), losses(compiled))
+def test_tokens_per_s_mfu_and_eta_leave_warm_up_out_from_the_second_log_line(tmp_path, monkeypatch, capsys):
+    """A fake clock that only training steps advance: 60 s of warm-up (torch.compile's, as on a GPU)
+    in the first step of each stage and of a resume, then 3 s a step in stage 1 and 4 s in stage 2,
+    with an H100's peak. From the second log line of the run, of each stage and of a resume, the
+    logged tokens/s, MFU and ETA are those of the real step time, within 10 %; a warm-up interval
+    shows its own rate and no MFU; ms per step counts the steps an interval ran (a resume's first
+    interval is one step here)."""
+    from stepgpt import monitor
+    now, seen = [0.0], set()
+    step = train.train_step
+
+    def timed_step(run, model, raw, opt, it):
+        stage = run.stage_of(it)
+        now[0] += (60.0 if (stage, run.cfg.init_from) not in seen else 0.0) + (3.0, 4.0)[stage]
+        seen.add((stage, run.cfg.init_from))
+        return step(run, model, raw, opt, it)
+    monkeypatch.setattr(train, "train_step", timed_step)
+    monkeypatch.setattr(monitor, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(monitor, "peak_flops", lambda device: 989e12)
+    common = ["--stage_layers=[1, 1]", "--max_iters=16", "--eval_interval=8"]
+    data = write_dataset(tmp_path / "data")
+    train.main(args(tmp_path, *common, "--stop_at=13", data=data))
+    train.main(args(tmp_path, *common, "--init_from=resume", data=data))
+    lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"step +\d+/16 \|", line)]
+    records = [m for m in metrics(tmp_path) if "loss" in m]   # the resume keeps steps 2-12, adds 14, 16
+    assert [m["step"] for m in records] == [2, 4, 6, 8, 10, 12, 14, 16] and len(lines) == 8
+    tokens = 4 * 16   # batch_size x block_size
+    model = GPT(tiny_config(vocab_size=128, n_layer=1))
+    for m, line in zip(records, lines):
+        real = (3.0, 4.0)[m["stage"] - 1]
+        warm_up = m["step"] in (2, 10, 14)   # the first interval of the run, of stage 2, of the resume
+        took = {2: (60 + 2 * real) / 2, 10: (60 + 2 * real) / 2, 14: 60 + real}.get(m["step"], real)
+        assert m["ms_per_step"] == pytest.approx(1000 * took)
+        if warm_up:
+            assert m["mfu"] is None and m["tokens_per_s"] == pytest.approx(tokens / m["ms_per_step"] * 1000)
+            continue
+        assert m["tokens_per_s"] == pytest.approx(tokens / real, rel=0.1), (m, line)
+        flops = model.estimate_flops() if m["stage"] == 1 else None
+        if flops:   # stage 1's model: one layer
+            assert m["mfu"] == pytest.approx(100 * flops * tokens / real / 989e12, rel=0.1)
+        eta = float(re.search(r"eta ([\d.]+)m", line).group(1))
+        assert eta == pytest.approx((16 - m["step"]) * real / 60, abs=0.06), line
 
 
 def test_a_checkpoint_written_before_the_run_settings_left_the_model_config_loads_and_resumes(tmp_path,

@@ -30,7 +30,8 @@ from stepgpt.kernels import frozen_lora
 from stepgpt.kernels.frozen_lora import DECODE_M, HAS_TRITON, INTERPRET, PATHS, backward, forward, m_bucket
 
 __all__ = ["DECODE_M", "HAS_TRITON", "INTERPRET", "PATHS", "backward", "choose_path", "compute_dtype",
-           "forward", "load_state", "measure", "measure_layers", "state", "static_path", "use_triton"]
+           "forward", "load_state", "measure", "measure_layers", "reset_peak", "state", "static_path",
+           "training_peak", "use_triton"]
 
 CHOICES = {}    # (token bucket, N, K, r, dtype) -> the measured path
 
@@ -105,7 +106,8 @@ def measure(x, q, scale, a, b, s, reference):
     k = q.shape[1]
     x = x.detach().reshape(-1, k)
     key = _key(x.shape[0], q.shape[0], k, a.shape[0], x.dtype)
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+    peak = torch.cuda.max_memory_allocated(x.device) if x.is_cuda else 0   # training's, until now
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False), frozen_lora.on_device(x.device):
         dy = torch.randn(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
         impl = {p: (forward, backward) for p in PATHS}
         impl["reference"] = reference
@@ -117,6 +119,9 @@ def measure(x, q, scale, a, b, s, reference):
             bwd(*args, dy, x, q, scale, a, b, xa, s, True)
 
         times = {path: _cuda_time(path, lambda path=path: run(path)) for path in impl}
+    if x.is_cuda:   # what the timing allocated is no part of training's peak (training_peak)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        PEAK_BEFORE[x.device] = max(PEAK_BEFORE.get(x.device, 0), peak)
     choice = [min(times, key=times.get)]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
@@ -126,6 +131,28 @@ def measure(x, q, scale, a, b, s, reference):
               + ", ".join(f"{p} {1000 * t:.3f} ms" for p, t in times.items()) + f" -> {choice[0]}",
               flush=True)
     return choice[0]
+
+
+# measure() allocates what training never does (Triton's autotuner flushes the L2 cache with a
+# 256 MB buffer; every path's temporaries), which vanilla runs never measure: it resets CUDA's peak
+# statistic when it is done and keeps the peak before it here, so a run reports training's peak.
+PEAK_BEFORE = {}   # CUDA device -> the peak allocated before the last measurement on it
+
+
+def training_peak(device):
+    """torch.cuda.max_memory_allocated(device) of training alone: the kernels' measurements left out."""
+    return max(PEAK_BEFORE.get(_cuda(device), 0), torch.cuda.max_memory_allocated(device))
+
+
+def reset_peak(device):
+    """torch.cuda.reset_peak_memory_stats(device), and the peak kept from before a measurement too."""
+    torch.cuda.reset_peak_memory_stats(device)
+    PEAK_BEFORE.pop(_cuda(device), None)
+
+
+def _cuda(device):   # "cuda" -> "cuda:N", the current device: a tensor's own name for it
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _cuda_time(path, fn, reps=5):

@@ -14,6 +14,7 @@ run. Two paths: "fused" (the kernels above) and "hybrid" (the weight dequantised
 scratch buffer, cuBLAS for the two main GEMMs, F1/B1 for the low-rank side); kernels.choose_path()
 picks.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -333,12 +334,20 @@ CONFIGS = {"_lora_down_kernel": _DOWN_CONFIGS, "_fwd_kernel": _FWD_CONFIGS, "_lo
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
+def on_device(device):
+    """The tensors' CUDA device made current: Triton launches a kernel (and CUDA events record) on
+    the current device, not on the device of the pointers it is given, and a caller that never set
+    one (bench/step_time.py --set device=cuda:1) would launch on device 0 into device 1's memory."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def dequantize(q, scale, dtype, out=None):
     """(q int8 [N, K], scale [N]) -> q·scale [N, K] in `dtype`, into `out` if given."""
     n, k = q.shape
     out = torch.empty((n, k), dtype=dtype, device=q.device) if out is None else out
     grid = (triton.cdiv(n, 16), triton.cdiv(k, 256))
-    _dequantize_kernel[grid](q, scale, out, n, k, BLOCK_N=16, BLOCK_K=256)
+    with on_device(q.device):
+        _dequantize_kernel[grid](q, scale, out, n, k, BLOCK_N=16, BLOCK_K=256)
     return out
 
 
@@ -422,7 +431,7 @@ def _dequantize_to_scratch(q, scale, dtype):
     key = (q.device, dtype)
     if key not in _SCRATCH or _SCRATCH[key].numel() < q.numel():
         _SCRATCH[key] = torch.empty(q.numel(), dtype=dtype, device=q.device)
-    w = _SCRATCH[key][: q.numel()].view(q.shape)
+    w = _SCRATCH[key].narrow(0, 0, q.numel()).view(q.shape)
     return dequantize(q, scale, dtype, out=w)
 
 
@@ -441,11 +450,12 @@ def forward(path, x, q, scale, lora_a, lora_b, lora_scale):
     q, scale = q.contiguous(), scale.float().contiguous()
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
-    if path == "hybrid":
-        s = _lora_down(x, a)                                            # [M, r]
-        y = torch.mm(x, _dequantize_to_scratch(q, scale, dt).t())       # [M, N]
-        return y.addmm_(s, b.t(), alpha=lora_scale), s
-    return _fused_forward(x, q, scale, a, b, lora_scale)
+    with on_device(x.device):
+        if path == "hybrid":
+            s = _lora_down(x, a)                                            # [M, r]
+            y = torch.mm(x, _dequantize_to_scratch(q, scale, dt).t())       # [M, N]
+            return y.addmm_(s, b.t(), alpha=lora_scale), s
+        return _fused_forward(x, q, scale, a, b, lora_scale)
 
 
 def backward(path, dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
@@ -453,12 +463,12 @@ def backward(path, dy, x, q, scale, lora_a, lora_b, s, lora_scale, need_dx):
     q, scale = q.contiguous(), scale.float().contiguous()
     dt = x.dtype
     a, b = lora_a.to(dt), lora_b.to(dt)
-    dyb, da, db = _lora_backward(dy, x, b, s)
     dx = None
-    if need_dx:
-        if path == "hybrid":
+    with on_device(x.device):
+        dyb, da, db = _lora_backward(dy, x, b, s)
+        if need_dx and path == "hybrid":
             dx = torch.mm(dy, _dequantize_to_scratch(q, scale, dt))     # [M, K]
             dx.addmm_(dyb, a, alpha=lora_scale)
-        else:
+        elif need_dx:
             dx = _fused_dx(dy, q, scale, a, dyb, lora_scale)
     return dx, (lora_scale * da).to(lora_a.dtype), (lora_scale * db).to(lora_b.dtype)
