@@ -359,14 +359,14 @@ def train(cfg):
                 if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
                     losses = estimate_loss(evaluator, run)
                     best_val = min(best_val, losses["val"])
+                    ppl = monitor.perplexity(losses["val"])   # recorded before the checkpoint that holds it
+                    run.log.record(step=it, stage=stage + 1, train_loss=losses["train"],
+                                   val_loss=losses["val"], val_ppl=ppl)
                     if it > 0:
                         checkpoint.save(run, raw, opt, it, best_val, evaluated=True)
                     saved = " | ckpt saved" if it > 0 else ""
-                    ppl = monitor.perplexity(losses["val"])
                     run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val "
                                   f"{losses['val']:.4f} (ppl {ppl:.2f}, best {best_val:.4f}){saved}")
-                    run.log.record(step=it, stage=stage + 1, train_loss=losses["train"],
-                                   val_loss=losses["val"], val_ppl=ppl)
                 if it == cfg.stop_at > 0:
                     run.log.print(f"stopped at step {it} (stop_at); continue with a later --stop_at, or none")
                     return

@@ -547,8 +547,15 @@ def _save_folder(run, path, state, header):
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        # this step's checkpoint saved before (on a signal, before its eval): renamed away (a kill
+        # leaves it to remove_temp_files) first, as no rename replaces a folder that holds files
+        old = path[:-len(".dcp")] + ".old.dcp.tmp" if os.path.isdir(path) else None
+        if old:
+            os.replace(path, old)
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")
+        if old:
+            shutil.rmtree(old)
 
     error = attempt(lambda: master and os.makedirs(tmp))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)   # each rank's file fsynced, .metadata too

@@ -81,8 +81,18 @@ def start_group(cfg, device, decided):
     seconds (a rank that died or hangs must not hold the others for NCCL's 10 minutes or gloo's
     30); rank 0's `decided` (what init_from=auto does: checkpoint.claim) given to every rank; and
     the roll call a failed collective starts (Peers). -> (decided, Peers)."""
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=cfg.dist_timeout))
+    timeout, store = timedelta(seconds=cfg.dist_timeout), {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store through all its restarts (torch >= 2.5), and the process
+        # group's keys carry no attempt: a restarted group could read its predecessor's addresses
+        # (gloo's pairs, NCCL's unique id) and hang or fail to connect (pytorch/pytorch#135712). Each
+        # attempt's keys are its own, as torch made them before it shared the store.
+        shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dict(store=dist.PrefixStore(f"step-gpt/attempt-{attempt}/", shared),
+                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, **store)
     got = [decided, uuid.uuid4().hex]   # the roll call's keys are this process group's alone
     dist.broadcast_object_list(got, src=0)
     return got[0], Peers(dist.get_rank(), dist.get_world_size(), got[1])
@@ -220,11 +230,12 @@ def _after_failure(run, error):
     if isinstance(error, UserError):
         peers.post(str(error))
         return None
-    held = signal.signal(signal.SIGTERM, lambda *a: None)
+    held = signal.signal(signal.SIGTERM, lambda *a: None)   # kept so until the line is out, if one is
     try:
         found = peers.roll_call()
-    finally:
+    except BaseException:
         signal.signal(signal.SIGTERM, held)
+        raise
     files = [p for p in checkpoint_files(run.cfg.out_dir) if written(p)]
     then = (f"the newest checkpoint is {files[0]}: a restart (torchrun --max-restarts, a requeue, or the "
             f"same command again) continues from it" if files else
@@ -246,6 +257,7 @@ def _after_failure(run, error):
         line = (f"a collective waited past {timeout} with every rank alive: a rank was busy longer than "
                 f"that (a checkpoint written alone, a compile); raise --dist_timeout; {then}")
     else:   # every rank is there: this rank's own error (a bug), shown as it is
+        signal.signal(signal.SIGTERM, held)
         peers.post(f"{type(error).__name__}: {(str(error) or '?').splitlines()[0]}")
         return None
     return f"rank {run.rank}: {line}"
