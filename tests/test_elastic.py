@@ -289,7 +289,7 @@ def test_the_slurm_script_runs_through_a_killed_rank_a_lost_node_and_a_requeue_t
     wait_for(faults / "held-0-1", "job 2 never reached step 10")
     job.send_signal(signal.SIGUSR1)   # Slurm's warning, 5 minutes before the time limit
     log2, _ = finish(job, tmp_path, "job2")
-    assert resumed_from(log2) == [6] and "stopped by SIGTERM after step 10: saved" in log2
+    assert resumed_from(log2) == [4] and "stopped by SIGTERM after step 10: saved" in log2
     assert (tmp_path / "requeued").read_text() == "4242\n"
 
     log3, _ = run(sbatch, tmp_path, "job3", env=env)
