@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, fields
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from model import GPTConfig
 from stepgpt import kernels, optim, sharding
@@ -64,6 +66,41 @@ class _HashingWriter:
 
     def flush(self):
         self.f.flush()
+
+
+class _KeptErrors(FileSystem):
+    """torch.distributed.checkpoint's file system, keeping the OSError a write of its files raised:
+    DCP writes a tensor with torch.save, which turns it into a RuntimeError that no longer says
+    "disk full" (as _HashingWriter keeps it for a file)."""
+    error = None
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _Keeping(stream, self) if "w" in mode else stream
+
+
+class _Keeping:
+    """A stream whose writes keep their OSError in `owner` (everything else is the stream's)."""
+
+    def __init__(self, stream, owner):
+        self.stream, self.owner = stream, owner
+
+    def _kept(self, name, *a):
+        try:
+            return getattr(self.stream, name)(*a)
+        except OSError as e:
+            self.owner.error = e
+            raise
+
+    def write(self, b):
+        return self._kept("write", b)
+
+    def flush(self):
+        return self._kept("flush")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def checkpoint_path(out_dir, it, sharded=False):
@@ -520,21 +557,23 @@ def _save_folder(run, path, state, header):
     renames the folder, then rotates the old ones. A failed write on any rank is one line on every
     rank, with the temp folder removed and the older checkpoints as they were."""
     tmp, rank, world, master = path + ".tmp", dist.get_rank(), dist.get_world_size(), run.master
-    names, files = [None], {}
+    names, files, kept = [None], {}, _KeptErrors()
 
     def attempt(fn):   # fn() on this rank, then the first failed write of any rank's (collective)
-        error = None
+        error = other = None
         try:
             fn()
         except CheckpointException as e:   # DCP raises it on every rank, whichever rank's write failed
-            error = next((x for x, _ in e.failures.values() if isinstance(x, OSError)), None)
-            if error is None:
-                raise
+            error = next((x for x, _ in e.failures.values() if isinstance(x, OSError)), None) or kept.error
+            other = None if error else e
         except OSError as e:
             error = e
         errors = [None] * world
         dist.all_gather_object(errors, error)
-        return next((e for e in errors if e is not None), None)
+        error = next((e for e in errors if e is not None), None)
+        if error is None and other is not None:   # not a failed write: a bug, shown as it is
+            raise other
+        return error
 
     def hash_share():
         for name in names[0][rank::world]:
@@ -559,6 +598,7 @@ def _save_folder(run, path, state, header):
 
     error = attempt(lambda: master and os.makedirs(tmp))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)   # each rank's file fsynced, .metadata too
+    writer.fs = kept
     error = error or attempt(lambda: dcp.save(state, storage_writer=writer))
     error = error or attempt(lambda: master and _write_file(os.path.join(tmp, HEADER), header))
     error = error or attempt(lambda: master and names.__setitem__(0, sorted(os.listdir(tmp))))

@@ -89,6 +89,37 @@ def test_resume_previous_moves_the_newest_aside_so_a_later_resume_does_not_take_
     assert [os.path.basename(p) for p in checkpoint_files(out)] == ["ckpt-00000012.pt", "ckpt-00000009.pt"]
 
 
+DIVIDES = "each does an equal share of a step's micro-steps"
+GATHERS = "each forward gathers every block from all ranks, so all ranks must run as many"
+
+
+FSDP = "--fsdp=True"
+
+
+@pytest.mark.parametrize("keys, world, says, fit", [
+    (["--gradient_accumulation_steps=4"], 3, f"gradient_accumulation_steps=4 does not divide over 3 ranks "
+     f"({DIVIDES}); this run runs on 1, 2 or 4 ranks, and its checkpoints resume on any of them", [1, 2, 4]),
+    (["--gradient_accumulation_steps=12", "--eval_iters=4", FSDP], 3, f"fsdp=True: eval_iters=4 makes 4 "
+     f"eval batches, not a multiple of the world size 3 ({GATHERS}); this run runs on 2 or 4 ranks, and its "
+     f"checkpoints resume on any of them", [2, 4]),
+    (["--gradient_accumulation_steps=3", "--eval_iters=2", FSDP], 2, f"gradient_accumulation_steps=3 does "
+     f"not divide over 2 ranks ({DIVIDES}); no world size over 1 divides both: change eval_iters or "
+     f"gradient_accumulation_steps", []),
+])
+def test_a_world_size_that_cannot_hold_the_run_names_those_that_can(tmp_path, keys, world, says, fit):
+    """At any world size a run trains on the same tokens (its batches are drawn by global index), so
+    a checkpoint moves between world sizes (tests/test_elastic.py); one that does not divide the
+    micro-steps (or, under FSDP, the eval batches) is refused in one line naming those that do."""
+    from stepgpt import runtime
+    data = write_dataset(tmp_path / "data")
+    cfg, tokens = load_config(TINY + [f"--data_dir={data}", *keys]), train.load_data(data, 16)[0]
+    with pytest.raises(UserError) as e:
+        runtime.check_world(cfg, world, tokens)
+    assert one_line(e) == says
+    for m in fit:   # those it names pass
+        runtime.check_world(cfg, m, tokens)
+
+
 # -- resume under another schedule, other data, a stop before it -----------------------------------
 
 def test_a_checkpoint_past_the_new_schedules_end_is_refused_and_one_at_its_end_finishes(tmp_path, capsys):
