@@ -3,6 +3,7 @@ world sizes it can run on, signals (a pre-empted job saves and stops), the check
 hold the same weights, and what the ranks tell each other when one is gone (Peers). The out_dir
 lock is stepgpt/lock.py, checkpoints stepgpt/checkpoint.py, what a run prints and records
 stepgpt/monitor.py."""
+import atexit
 import os
 import signal
 import threading
@@ -156,7 +157,10 @@ class Peers:
     def __init__(self, rank, world, nonce):
         self.rank, self.world, self.prefix = rank, world, f"step-gpt/{nonce}/"
         self.where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        threading.Thread(target=self._answer, daemon=True).start()
+        self.thread = threading.Thread(target=self._answer, daemon=True)
+        self.thread.start()
+        # a thread still waiting in the store's C++ code as the interpreter ends aborts the process
+        atexit.register(self.close)
 
     def _store(self, seconds):
         return dist.TCPStore(*self.where, is_master=False, timeout=timedelta(seconds=seconds))
@@ -172,11 +176,13 @@ class Peers:
             pass
 
     def close(self):
-        """The run ended: this rank's thread stops waiting."""
-        try:
-            self._store(ROLL_CALL).set(f"{self.prefix}wake/{self.rank}", "end")
-        except dist.DistError:
-            pass
+        """The run ended: this rank's thread stops waiting (it answers, as it would a roll call)."""
+        if self.thread.is_alive():
+            try:
+                self._store(ROLL_CALL).set(f"{self.prefix}wake/{self.rank}", "end")
+            except dist.DistError:   # the store is gone: so is the thread's wait
+                pass
+            self.thread.join(ROLL_CALL)
 
     def post(self, error):
         """This rank stops on `error` (its own: a full disk, a bug): the others' lines will say so."""
@@ -208,7 +214,7 @@ def end(run, error):
     under torchrun, a rank gone ends this one with a line that names it (PeerLost), not with the
     failed collective's traceback."""
     line = _after_failure(run, error)
-    if run.peers and error is None:
+    if run.peers:
         run.peers.close()
     if run.log:
         run.log.close(failed=error is not None)
