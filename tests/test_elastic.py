@@ -38,12 +38,12 @@ SIZE = ["--vocab_size=0", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--blo
 
 # train.py with faults, each {"attempt": torchrun's restart count, "victim": rank, "signal": SIGKILL |
 # SIGTERM | SIGSTOP | FSIZE (a file size limit: the next write fails as a full disk's), "at": where,
-# "step": the step}. At "step": as the victim starts that training step. At "shards": as the victim's
-# own files of that step's .dcp folder are written; at "fsize", just before. At "manifest", "rename",
-# "rotation": rank 0 signals the victim once it has written the folder's manifest, renamed the folder,
-# or renamed an old one away and deleted a file of it. At "hold" (every rank): after the log line of
-# that step, until a SIGTERM (a pre-emption) arrives. Each rank writes its pid to FAULT_DIR/pid-A-R,
-# and FAULT_DIR/held-A-R when it holds.
+# "step": the step}. At "step": as the victim starts that training step; at "eval", that step's
+# eval. At "shards": as the victim's own files of that step's .dcp folder are written; at "fsize",
+# just before. At "manifest", "rename", "rotation": rank 0 signals the victim once it has written the
+# folder's manifest, renamed the folder, or renamed an old one away and deleted a file of it. At
+# "hold" (every rank): after the log line of that step, until a SIGTERM (a pre-emption) arrives.
+# Each rank writes its pid to FAULT_DIR/pid-A-R, and FAULT_DIR/held-A-R when it holds.
 FAULTS = f"""
 import json, os, resource, shutil, signal, sys, time
 sys.path.insert(0, {ROOT!r})
@@ -56,7 +56,7 @@ folder = os.environ["FAULT_DIR"]
 with open(os.path.join(folder, f"pid-{{attempt}}-{{rank}}"), "w") as f:
     f.write(str(os.getpid()))
 faults = [f for f in json.loads(os.environ.get("FAULTS", "[]")) if f.get("attempt", 0) == attempt]
-saving, signalled = [None], []
+saving, signalled, step = [None], [], [0]
 
 
 def strike(at, step):
@@ -103,7 +103,9 @@ def rotating(path, *a, **k):
         strike("rotation", saving[0])
 
 
-wrap(train, "train_step", before=lambda run, model, raw, opt, it: strike("step", it))
+wrap(train, "train_step", before=lambda run, model, raw, opt, it: strike("step", it),
+     after=lambda run, model, raw, opt, it: step.__setitem__(0, it + 1))
+wrap(train, "estimate_loss", before=lambda *a: strike("eval", step[0]))
 wrap(checkpoint, "save", before=saved)
 wrap(dcp, "save", before=lambda *a, **k: strike("fsize", saving[0]),
      after=lambda *a, **k: strike("shards", saving[0]))
@@ -218,14 +220,14 @@ def straight(tmp_path_factory):
 
 
 def test_the_docs_elastic_command_finishes_on_its_own_after_a_worker_is_killed(straight):
-    """kill -9 of rank 1 in step 3, after the first checkpoint (step 2): rank 0 says in one line that
-    rank 1 is gone and names that checkpoint (no traceback); torchrun restarts both ranks with the same
-    command, which continues from it; the job exits 0 with every weight and AdamW moment of the
-    uninterrupted run, and each step recorded once."""
+    """kill -9 of rank 1 in the eval of step 4, after the first checkpoint (step 2): rank 0 says in
+    one line that rank 1 is gone and names that checkpoint (no traceback); torchrun restarts both
+    ranks with the same command, which continues from it; the job exits 0 with every weight and
+    AdamW moment of the uninterrupted run, and each step recorded once."""
     tmp, data, cmd = straight
     out = tmp / "killed"
     cmd = [wrapper(tmp) if a == "train.py" else a for a in cmd[:-1]] + [f"--out_dir={out}"]
-    log, err = run(cmd, tmp, "killed", [dict(attempt=0, victim=1, signal="SIGKILL", at="step", step=3)])
+    log, err = run(cmd, tmp, "killed", [dict(attempt=0, victim=1, signal="SIGKILL", at="eval", step=4)])
     assert gone_lines(err) == [gone(0, 1, f"{out}/ckpt-00000002.pt")], err[-3000:]
     assert "Traceback" not in err
     assert log.startswith(f"init_from=auto: out_dir={str(out)!r} holds no checkpoint: starting the run from "
