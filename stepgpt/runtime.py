@@ -144,7 +144,7 @@ class StopRequest:
 
 
 # seconds a rank whose collective failed waits for the others to answer its roll call
-ROLL_CALL = 5
+ROLL_CALL = 3
 
 
 class Peers:

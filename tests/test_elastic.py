@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from stepgpt.checkpoint import load_checkpoint
+from stepgpt.runtime import ROLL_CALL
 from tests.helpers import HANG, write_dataset
 
 pytestmark = pytest.mark.slow   # subprocesses: python -m pytest -m "not slow" leaves them out
@@ -195,9 +196,10 @@ def gone_lines(err):
 
 def gone(rank, victim, newest, timeout=300):
     """The line of a rank whose collective failed because `victim` is gone."""
-    return (f"error: rank {rank}: rank {victim} is gone (no answer to a roll call within 5 s: killed, its "
-            f"node lost, or hung past dist_timeout={timeout} s); the newest checkpoint is {newest}: a "
-            f"restart (torchrun --max-restarts, a requeue, or the same command again) continues from it")
+    return (f"error: rank {rank}: rank {victim} is gone (no answer to a roll call within {ROLL_CALL} s: "
+            f"killed, its node lost, or hung past dist_timeout={timeout} s); the newest checkpoint is "
+            f"{newest}: a restart (torchrun --max-restarts, a requeue, or the same command again) continues "
+            f"from it")
 
 
 def docs_elastic_command():
