@@ -38,12 +38,14 @@ SIZE = ["--vocab_size=0", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--blo
         "--eval_iters=6", "--log_interval=1", "--sample_tokens=0"]
 
 # train.py with faults, each {"attempt": torchrun's restart count, "victim": rank, "signal": SIGKILL |
-# SIGTERM | SIGSTOP | FSIZE (a file size limit: the next write fails as a full disk's), "at": where,
+# SIGTERM | SIGSTOP | FSIZE (a file size limit of 64 KiB, under the checkpoint's and its shards',
+# over the logs': the checkpoint's write fails as on a full disk), "at": where,
 # "step": the step}. At "step": as the victim starts that training step; at "eval", that step's
 # eval. At "shards": as the victim's own files of that step's .dcp folder are written; at "fsize",
-# just before. At "manifest", "rename", "rotation": rank 0 signals the victim once it has written the
-# folder's manifest, renamed the folder, or renamed an old one away and deleted a file of it. At
-# "hold" (every rank): after the log line of that step, until a SIGTERM (a pre-emption) arrives.
+# as that step's checkpoint is about to be written. At "manifest", "rename", "rotation": rank 0
+# signals the victim once it has written the folder's manifest, renamed the folder, or renamed an
+# old one away and deleted a file of it. At "hold" (every rank): after the log line of that step,
+# until a SIGTERM (a pre-emption) arrives.
 # Each rank writes its pid to FAULT_DIR/pid-A-R, and FAULT_DIR/held-A-R when it holds.
 FAULTS = f"""
 import json, os, resource, shutil, signal, sys, time
@@ -65,7 +67,7 @@ def strike(at, step):
         if f["at"] == at and f["step"] == step and rank == (0 if at in ("manifest", "rename", "rotation")
                                                              else f["victim"]):
             if f["signal"] == "FSIZE":
-                resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+                resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
                 continue
             pid = os.path.join(folder, f"pid-{{attempt}}-{{f['victim']}}")
             while not os.path.exists(pid):
@@ -87,6 +89,7 @@ def wrap(owner, name, before=None, after=None):
 
 def saved(run, model, opt, it, *a, **k):
     saving[0] = it
+    strike("fsize", it)
 
 
 def hold(log, *a, **k):
@@ -108,8 +111,7 @@ wrap(train, "train_step", before=lambda run, model, raw, opt, it: strike("step",
      after=lambda run, model, raw, opt, it: step.__setitem__(0, it + 1))
 wrap(train, "estimate_loss", before=lambda *a: strike("eval", step[0]))
 wrap(checkpoint, "save", before=saved)
-wrap(dcp, "save", before=lambda *a, **k: strike("fsize", saving[0]),
-     after=lambda *a, **k: strike("shards", saving[0]))
+wrap(dcp, "save", after=lambda *a, **k: strike("shards", saving[0]))
 wrap(checkpoint, "_fsync_dir",
      after=lambda path: strike("manifest" if path.endswith(".dcp.tmp") else "rename", saving[0]))
 wrap(shutil, "rmtree", before=rotating)
@@ -320,7 +322,8 @@ def test_one_run_over_2_and_3_ranks_fsdp_and_ddp_through_every_fault_ends_at_one
        the folder before it kept.
     4. DDP on 3 ranks from the 2-rank folder (each rank reads it whole), dist_timeout=20: rank 1
        hangs (SIGSTOP); ranks 0 and 2 give up after dist_timeout and name it in one line each; once
-       it is killed, torchrun restarts the ranks, which save .pt files and stop at step 14.
+       it is killed, torchrun restarts the ranks, which save a .pt file, then rank 0's disk is full:
+       its line, and ranks 1 and 2 name it and its line.
     5. DDP on 2 ranks from the 3-rank file, to the end.
     Every eval recorded once, each within 1e-5 (relative) of one process's."""
     data = write_dataset(tmp_path / "data")
@@ -356,16 +359,25 @@ def test_one_run_over_2_and_3_ranks_fsdp_and_ddp_through_every_fault_ends_at_one
         rf"[\d.]+ MiB, [\d,.]+ MiB are free there; the previous one, {out}/ckpt-00000012.dcp, is intact "
         rf"\(checksum verified\): free space, then --init_from=resume", line) for line in lines), err[-3000:]
 
-    hangs = torchrun(3, script, *keys, "--dist_timeout=20", "--stop_at=14", restarts=1)
-    job, faults = start(hangs, tmp_path, "leg4", [dict(victim=1, signal="SIGSTOP", at="step", step=13)])
-    wait_for(lambda: len(gone_lines((tmp_path / "leg4.err").read_text())) == 2, "ranks 0 and 2 never gave up")
+    hangs = torchrun(3, script, *keys, "--dist_timeout=20", restarts=1)
+    job, faults = start(hangs, tmp_path, "leg4", [
+        dict(victim=1, signal="SIGSTOP", at="step", step=13),
+        dict(attempt=1, victim=0, signal="FSIZE", at="fsize", step=14)])
+    def gave_up():
+        return [line for line in gone_lines((tmp_path / "leg4.err").read_text()) if "is gone" in line]
+    wait_for(lambda: len(gave_up()) == 2, "ranks 0 and 2 never gave up")
     os.kill(int(open(faults / "pid-0-1").read()), signal.SIGKILL)   # its node is gone for good
-    log, err = finish(job, tmp_path, "leg4")
-    assert sorted(gone_lines(err)) == [gone(r, 1, f"{out}/ckpt-00000013.pt", timeout=20) for r in (0, 2)], err
-    assert resumed_from(log) == [12, 13] and "stopped at step 14" in log
+    log, err = finish(job, tmp_path, "leg4", rc=1)
+    assert sorted(gave_up()) == [gone(r, 1, f"{out}/ckpt-00000013.pt", timeout=20) for r in (0, 2)], err
+    (full,) = [line[7:] for line in err.splitlines() if line.startswith("error: could not write")]
+    assert re.fullmatch(rf"could not write checkpoint {out}/ckpt-00000014.pt \(File too large\): .* the "
+                        rf"previous one, {out}/ckpt-00000013.pt, is intact \(checksum verified\): .*", full)
+    assert sorted(line for line in gone_lines(err) if "is gone" not in line) == [
+        f"error: rank {r}: rank 0 stopped: {full}" for r in (1, 2)], err[-3000:]
+    assert resumed_from(log) == [12, 13]
 
     log, _ = run(torchrun(2, "train.py", *keys), tmp_path, "leg5")
-    assert resumed_from(log) == [14] and "done: 16 iters" in log
+    assert resumed_from(log) == [13] and "done: 16 iters" in log
     ours, one = (records(tmp_path / o) for o in ("out", "one"))
     evals = [(r["step"], r["val_loss"]) for r in ours if "val_loss" in r]
     want = [(r["step"], r["val_loss"]) for r in one if "val_loss" in r]
