@@ -115,10 +115,12 @@ class Run:
     lock: FolderLock
     log: monitor.Logger = None
     resumed_at: int = None      # the step a resume starts at, when its checkpoint holds that step's eval
+    init: str = None            # what init_from does here (auto: resume or scratch, as out_dir holds)
+    peers: runtime.Peers = None
 
     master = property(lambda self: self.rank == 0)
     total_iters = property(lambda self: sum(self.stage_iters))
-    resuming = property(lambda self: self.cfg.init_from in ("resume", "resume_previous"))
+    resuming = property(lambda self: self.init in ("resume", "resume_previous"))
 
     def stage_of(self, it):
         starts = [sum(self.stage_iters[:i]) for i in range(len(self.stage_iters))]
@@ -127,50 +129,36 @@ class Run:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        if self.log:
-            self.log.close(failed=exc[0] is not None)
-        if self.lock:
-            self.lock.release()
+    def __exit__(self, *exc):   # the log closed, the lock released; under torchrun a rank gone is one line
+        runtime.end(self, exc[1])
 
 
 def setup(cfg):
     """Device and process group, precision, data (the default set is prepared on first use), and
-    the stage plan. Rank 0 holds out_dir's lock until the run ends (`with setup(cfg) as run`)."""
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, local, world = 0, 0, 1
-    if ddp:
-        rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    lock = None
+    the stage plan. Rank 0 holds out_dir's lock until the run ends (`with setup(cfg) as run`) and
+    decides what init_from does there (checkpoint.claim: auto continues the run the folder holds)."""
+    ddp, rank, local, world = runtime.ranks()
+    lock = init = None
     if rank == 0:
         lock = FolderLock(cfg.out_dir, "run.lock", f"out_dir={cfg.out_dir!r}", "choose another --out_dir")
     try:
         if lock:
-            checkpoint.claim(cfg.out_dir, cfg.init_from)
-        return _setup(cfg, ddp, rank, local, world, lock)
+            init = checkpoint.claim(cfg.out_dir, cfg.init_from)
+        return _setup(cfg, ddp, rank, local, world, lock, init)
     except BaseException:
         if lock:
             lock.release()
         raise
 
 
-def _setup(cfg, ddp, rank, local, world, lock):
-    name = cfg.device
-    if name == "auto":
-        name = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and ddp:
-        name = f"cuda:{local}"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={cfg.device} but CUDA is not available; use --device=cpu")
-    device = torch.device(name)
-    if cfg.gradient_accumulation_steps % world:
-        raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a multiple "
-                        f"of the world size {world} (each rank does an equal share)")
+def _setup(cfg, ddp, rank, local, world, lock, init):
+    device = runtime.device(cfg, local, ddp)
     dtype, autocast, compiled = runtime.precision(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    peers = None
+    if ddp:   # every rank does what rank 0 decided; Peers: what the ranks tell each other when one is gone
+        init, peers = runtime.start_group(cfg, device, init)
 
     default_data = os.path.normpath(cfg.data_dir) == os.path.join("data", "shakespeare")
     if default_data and not os.path.isfile(os.path.join(cfg.data_dir, "meta.json")):
@@ -180,6 +168,7 @@ def _setup(cfg, ddp, rank, local, world, lock):
         if world > 1:
             dist.barrier()
     data, meta = load_data(cfg.data_dir, cfg.block_size)
+    runtime.check_world(cfg, world, data)   # the micro-steps (and FSDP's evals) divide over the ranks
     if cfg.sample_tokens:
         tokenizer_of(meta, cfg.data_dir)   # the final sample's: a missing one fails now, not at the end
     vocab_size = model_vocab(cfg.vocab_size, meta, cfg.data_dir)
@@ -190,17 +179,18 @@ def _setup(cfg, ddp, rank, local, world, lock):
     relora = [s + k for s, n in zip(starts, stage_iters[1:]) for k in range(every, n, every)] if every else []
     depth = [sum(stage_layers[:i + 1]) for i in range(len(stage_layers))]
     return Run(cfg, device, rank, world, dtype, autocast, compiled, data, meta, vocab_size, tokens_per_iter,
-               stage_layers, stage_iters, depth, sorted(starts + relora), lock)
+               stage_layers, stage_iters, depth, sorted(starts + relora), lock, init=init, peers=peers)
 
 
 def build(run):
     """The model and optimizer: fresh, resumed (everything, from out_dir's newest checkpoint, or
     the one before it) or from a checkpoint's weights (fresh optimizer and schedule).
-    -> (model, optimizer, iteration, best val)."""
+    -> (model, optimizer, iteration, best val); model None where out_dir holds the run finished."""
     cfg = run.cfg
     ckpt, it, best_val = None, 0, float("inf")
     first = grow.model_config(cfg, run.stage_layers[0], run.vocab_size)
-    if cfg.init_from == "scratch":
+    if run.init == "scratch":
+        checkpoint.announce(run)
         torch.manual_seed(cfg.seed)   # FSDP: built on the meta device, materialised shard by shard
         model = sharding.new_model(run, first) if cfg.fsdp else GPT(first)
     elif cfg.init_from.startswith("hf:"):   # stage 1 from a Hugging Face LLaMA folder (export_hf.py)
@@ -210,24 +200,19 @@ def build(run):
         if run.master:
             print(f"starting from {cfg.init_from} ({model.config.n_layer} layers)")
     else:
-        if run.resuming:
+        if run.resuming:   # refused in one line unless it continues this run; its end: nothing to train
             path, ckpt = checkpoint.resume_checkpoint(cfg.out_dir, sharded=cfg.fsdp)
+            if checkpoint.check_resume(run, path, ckpt):
+                return None, None, ckpt["iter_num"], ckpt.get("best_val_loss")
         else:   # FSDP: rank 0 reads a file and shards it out; each rank reads its rows of a folder
             path, ckpt = cfg.init_from, checkpoint.load_checkpoint(cfg.init_from, sharded=cfg.fsdp)
+        checkpoint.announce(run, path, ckpt)
         model = sharding.from_state(run, ckpt) if cfg.fsdp else GPT.from_checkpoint(ckpt, path)
-        if run.master:
-            verb = "resuming" if run.resuming else "starting"
-            print(f"{verb} from {path} (step {ckpt.get('iter_num', 0)})")
         if run.resuming:
-            changed = checkpoint.check_resume(path, ckpt, cfg, run.meta, run.total_iters)
-            if changed and run.master:
-                print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly")
             it, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", float("inf"))
             # a checkpoint written at an eval holds its step's stage work and eval; one written on a
             # signal holds the step before them
             run.resumed_at = it if ckpt.get("evaluated", True) else None
-            if it == run.total_iters and run.master:
-                print(f"{path} is at the end of the schedule (step {it}): nothing left to train")
         else:   # the checkpoint's depth is stage 1's; later stages still add their n_i on top
             run.depth = [d + model.config.n_layer - run.depth[0] for d in run.depth]
     if model.config.vocab_size != run.vocab_size:
@@ -341,6 +326,8 @@ def wrap(run, raw):
 def train(cfg):
     with setup(cfg) as run:
         raw, opt, it, best_val = build(run)   # `raw`: the plain module (growth, saving, sampling)
+        if raw is None:   # out_dir holds this run finished
+            return
         monitor.describe(run)
         if cfg.dry_run:
             return
@@ -371,16 +358,16 @@ def train(cfg):
                 if (it % cfg.eval_interval == 0 or last) and it != resumed_at:
                     losses = estimate_loss(evaluator, run)
                     best_val = min(best_val, losses["val"])
+                    ppl = monitor.perplexity(losses["val"])   # recorded before the checkpoint that holds it
+                    run.log.record(step=it, stage=stage + 1, train_loss=losses["train"],
+                                   val_loss=losses["val"], val_ppl=ppl)
                     if it > 0:
                         checkpoint.save(run, raw, opt, it, best_val, evaluated=True)
                     saved = " | ckpt saved" if it > 0 else ""
-                    ppl = monitor.perplexity(losses["val"])
                     run.log.print(f"step {it:>6} | eval | train {losses['train']:.4f} | val "
                                   f"{losses['val']:.4f} (ppl {ppl:.2f}, best {best_val:.4f}){saved}")
-                    run.log.record(step=it, stage=stage + 1, train_loss=losses["train"],
-                                   val_loss=losses["val"], val_ppl=ppl)
                 if it == cfg.stop_at > 0:
-                    run.log.print(f"stopped at step {it} (stop_at); continue with --init_from=resume")
+                    run.log.print(f"stopped at step {it} (stop_at); continue with a later --stop_at, or none")
                     return
                 if last:
                     break
@@ -394,8 +381,8 @@ def train(cfg):
                 if stop.requested(run):
                     saved = checkpoint.save(run, raw, opt, it, best_val, evaluated=False)
                     who = stop.signal or "a signal to another rank"
-                    run.log.print(f"stopped by {who} after step {it}: saved {saved}; continue with "
-                                  f"--init_from=resume")
+                    run.log.print(f"stopped by {who} after step {it}: saved {saved}; the same command "
+                                  f"continues it")
                     return
 
         meter.done(best_val)

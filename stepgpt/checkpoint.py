@@ -17,13 +17,15 @@ import os
 import random
 import shutil
 import warnings
-from dataclasses import asdict, fields
+from contextlib import contextmanager
+from dataclasses import MISSING, asdict, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from model import GPTConfig
 from stepgpt import kernels, optim, sharding
@@ -33,7 +35,7 @@ from stepgpt.errors import UserError
 RUNTIME_KEYS = {"init_from", "eval_only", "dry_run", "device", "compile", "compile_cpu", "log_interval",
                 "sample_tokens", "out_dir", "stop_at", "keep_checkpoints", "zero1", "fsdp", "fsdp_checkpoint",
                 "sync_check_every", "activation_checkpointing", "loss_chunk", "tensorboard_dir", "wandb_log",
-                "wandb_project", "wandb_run_name"}
+                "wandb_project", "wandb_run_name", "dist_timeout"}
 # keys that fix the model and its stages: a checkpoint resumes only under the same values
 STAGE_KEYS = {"data_dir", "stage_layers", "target_layers", "n_stages", "grow_init", "grow_where"}
 # what a prepared folder's meta.json says of its data that a resume needs unchanged
@@ -66,6 +68,41 @@ class _HashingWriter:
         self.f.flush()
 
 
+class _KeptErrors(FileSystem):
+    """torch.distributed.checkpoint's file system, keeping the OSError a write of its files raised:
+    DCP writes a tensor with torch.save, which turns it into a RuntimeError that no longer says
+    "disk full" (as _HashingWriter keeps it for a file)."""
+    error = None
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _Keeping(stream, self) if "w" in mode else stream
+
+
+class _Keeping:
+    """A stream whose writes keep their OSError in `owner` (everything else is the stream's)."""
+
+    def __init__(self, stream, owner):
+        self.stream, self.owner = stream, owner
+
+    def _kept(self, name, *a):
+        try:
+            return getattr(self.stream, name)(*a)
+        except OSError as e:
+            self.owner.error = e
+            raise
+
+    def write(self, b):
+        return self._kept("write", b)
+
+    def flush(self):
+        return self._kept("flush")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def checkpoint_path(out_dir, it, sharded=False):
     return os.path.join(out_dir, f"ckpt-{it:08d}{'.dcp' if sharded else '.pt'}")
 
@@ -95,14 +132,19 @@ def written(path):
 
 
 def remove_temp_files(out_dir):
-    """The temp files and folders of saves that a kill interrupted (call it holding out_dir's lock:
-    they are ours then)."""
-    for name in os.listdir(out_dir):
+    """The temp files and folders of saves (or of a rotation's deletes) that a kill interrupted (call it
+    holding out_dir's lock: they are ours then). -> their paths."""
+    removed = []
+    for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
         if name.endswith(".pt.tmp") and os.path.isfile(path):
             os.remove(path)
         elif name.endswith(".dcp.tmp") and os.path.isdir(path):
             shutil.rmtree(path)
+        else:
+            continue
+        removed.append(path)
+    return removed
 
 
 def _rotate(folder, keep):
@@ -392,18 +434,24 @@ def tensor_digest(state):
 
 def claim(out_dir, init_from):
     """A run owns the checkpoints of its out_dir: a fresh run into a folder that holds another run's
-    would lose its own to their rotation (it keeps the highest steps) and leave --init_from=resume
-    to pick up theirs. So a fresh run there stops before any work; a resume continues them, and
-    --init_from=resume_previous moves the newest aside (to NAME.superseded, kept), so that the run
-    continuing from the one before it owns the folder's newest file. Call it on rank 0 holding
-    out_dir's lock, before the other ranks look (the temp files of an interrupted save are then
-    ours to remove)."""
-    remove_temp_files(out_dir)
+    would lose its own to their rotation (it keeps the highest steps) and leave a resume to pick up
+    theirs. So init_from=auto continues the run the folder holds (check_resume refuses another
+    run's) and starts one where it holds none; any other fresh start there (scratch, a checkpoint's
+    weights, hf:) stops before any work; resume continues; and --init_from=resume_previous moves the
+    newest aside (to NAME.superseded, kept), so that the run continuing from the one before it owns
+    the folder's newest file. Call it on rank 0 holding out_dir's lock, before the other ranks look
+    (the temp files of an interrupted save are then ours to remove). -> what init_from does here:
+    auto's choice (resume or scratch), or init_from."""
+    for path in remove_temp_files(out_dir):
+        print(f"removed {path}: a save that a kill interrupted", flush=True)
     files = checkpoint_files(out_dir)
+    if init_from == "auto":
+        return "resume" if files else "scratch"
     if files and init_from not in ("resume", "resume_previous"):
-        raise UserError(f"out_dir={out_dir!r} holds the checkpoints of an earlier run (newest {files[0]}): "
-                        f"continue it with --init_from=resume, or start this run in another --out_dir (or "
-                        f"delete them)")
+        raise UserError(f"out_dir={out_dir!r} holds the checkpoints of an earlier run (newest {files[0]}) "
+                        f"and init_from={init_from} starts a new one: continue that run with the default "
+                        f"init_from=auto (or --init_from=resume), or start this one in another --out_dir "
+                        f"(or delete them)")
     if init_from == "resume_previous":
         if len(files) < 2:
             raise UserError(f"no earlier checkpoint in {out_dir} to resume from (it holds {len(files)}); use "
@@ -417,6 +465,22 @@ def claim(out_dir, init_from):
         os.replace(files[0], files[0] + ".superseded")
         print(f"moved {files[0]} aside to {files[0]}.superseded: the run continues from {files[1]}",
               flush=True)
+    return init_from
+
+
+def announce(run, path=None, ckpt=None):
+    """The log's first line (rank 0): what init_from did, and from which checkpoint."""
+    if not run.master:
+        return
+    cfg = run.cfg
+    auto = f"init_from=auto: out_dir={cfg.out_dir!r} holds " if cfg.init_from == "auto" else ""
+    if path is None:
+        line = f"{auto}no checkpoint: starting the run from scratch" if auto else \
+            f"starting the run from scratch in out_dir={cfg.out_dir!r}"
+    else:
+        verb = "resuming" if run.resuming else "starting"
+        line = f"{auto and auto + 'this run: '}{verb} from {path} (step {ckpt.get('iter_num', 0)})"
+    print(line, flush=True)
 
 
 def save(run, model, opt, it, best_val, evaluated):
@@ -493,21 +557,23 @@ def _save_folder(run, path, state, header):
     renames the folder, then rotates the old ones. A failed write on any rank is one line on every
     rank, with the temp folder removed and the older checkpoints as they were."""
     tmp, rank, world, master = path + ".tmp", dist.get_rank(), dist.get_world_size(), run.master
-    names, files = [None], {}
+    names, files, kept = [None], {}, _KeptErrors()
 
     def attempt(fn):   # fn() on this rank, then the first failed write of any rank's (collective)
-        error = None
+        error = other = None
         try:
             fn()
         except CheckpointException as e:   # DCP raises it on every rank, whichever rank's write failed
-            error = next((x for x, _ in e.failures.values() if isinstance(x, OSError)), None)
-            if error is None:
-                raise
+            error = next((x for x, _ in e.failures.values() if isinstance(x, OSError)), None) or kept.error
+            other = None if error else e
         except OSError as e:
             error = e
         errors = [None] * world
         dist.all_gather_object(errors, error)
-        return next((e for e in errors if e is not None), None)
+        error = next((e for e in errors if e is not None), None)
+        if error is None and other is not None:   # not a failed write: a bug, shown as it is
+            raise other
+        return error
 
     def hash_share():
         for name in names[0][rank::world]:
@@ -520,11 +586,19 @@ def _save_folder(run, path, state, header):
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        # this step's checkpoint saved before (on a signal, before its eval): renamed away (a kill
+        # leaves it to remove_temp_files) first, as no rename replaces a folder that holds files
+        old = path[:-len(".dcp")] + ".old.dcp.tmp" if os.path.isdir(path) else None
+        if old:
+            os.replace(path, old)
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")
+        if old:
+            shutil.rmtree(old)
 
     error = attempt(lambda: master and os.makedirs(tmp))
     writer = dcp.FileSystemWriter(tmp, sync_files=True)   # each rank's file fsynced, .metadata too
+    writer.fs = kept
     error = error or attempt(lambda: dcp.save(state, storage_writer=writer))
     error = error or attempt(lambda: master and _write_file(os.path.join(tmp, HEADER), header))
     error = error or attempt(lambda: master and names.__setitem__(0, sorted(os.listdir(tmp))))
@@ -545,20 +619,34 @@ def _save_folder(run, path, state, header):
     dist.barrier()
 
 
-def check_resume(path, ckpt, cfg, meta, total_iters):
+def check_resume(run, path, ckpt):
     """A checkpoint resumes only under the config it was trained with: the model's keys, the stages
     and the data must match (the data's token counts too: a folder prepared again from another text
     is another data set), the optimizer too (its state's layout differs), and the schedule must not
-    end before it; other changes warn. -> the keys that changed (the run will not replay exactly)."""
-    theirs = dict(ckpt["config"])
+    end before it; with init_from=auto every key that changes what the run computes (the seed, the
+    schedule, ...) must match too (the folder may hold another run's), else other changes warn (the
+    run will not replay exactly). -> True where the checkpoint is the run's end (said in one line):
+    nothing to train."""
+    cfg, meta = run.cfg, run.meta
+    declared = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cfg)}
+    # a key the checkpoint's config lacks (older code) had its default's effect
+    theirs = {**declared, **ckpt["config"]}
     theirs["data_dir"] = os.path.normpath(theirs.get("data_dir", ""))   # "data/x/" is "data/x"
     ours = {**asdict(cfg), "data_dir": os.path.normpath(cfg.data_dir)}
     fixed = {f.name for f in fields(GPTConfig)} | STAGE_KEYS
-    diff = [f"{k}={theirs.get(k)!r} (config says {v!r})" for k, v in ours.items()
-            if k in fixed - RUNTIME_KEYS and theirs.get(k) != v]
-    if diff:
-        raise UserError(f"checkpoint {path} is of a different model: {', '.join(diff[:3])}; resume with the "
-                        f"config it was trained with, or use a new out_dir")
+
+    def diff(keys):
+        return [f"{k}={theirs.get(k)!r} (config says {v!r})" for k, v in ours.items()
+                if k in keys - RUNTIME_KEYS and theirs.get(k) != v]
+    other = diff(set(ours)) if cfg.init_from == "auto" else []
+    if other:
+        raise UserError(f"out_dir={cfg.out_dir!r} holds the checkpoints of another run ({path}: "
+                        f"{', '.join(other[:3])}): run it with the config it was trained with, or continue "
+                        f"it with these changes with --init_from=resume, or start this run in another "
+                        f"--out_dir")
+    if diff(fixed):
+        raise UserError(f"checkpoint {path} is of a different model: {', '.join(diff(fixed)[:3])}; resume "
+                        f"with the config it was trained with, or use a new out_dir")
     written_by = theirs.get("optimizer", "adamw")
     if written_by != cfg.optimizer:
         raise UserError(f"checkpoint {path} holds optimizer={written_by!r} state, the config says "
@@ -572,14 +660,23 @@ def check_resume(path, ckpt, cfg, meta, total_iters):
                         f"({then_now}): prepare it as it was, or start from the checkpoint's weights with "
                         f"--init_from={path} and a new --out_dir")
     it = ckpt["iter_num"]
-    if it > total_iters:
+    if it > run.total_iters:
         raise UserError(f"checkpoint {path} is at step {it}, past the end of this run's schedule "
-                        f"({total_iters} steps: batch_size, gradient_accumulation_steps, max_iters or "
+                        f"({run.total_iters} steps: batch_size, gradient_accumulation_steps, max_iters or "
                         f"stage_tokens changed?); resume with the schedule it was trained with")
     if 0 < cfg.stop_at < it:
         raise UserError(f"stop_at={cfg.stop_at} is before checkpoint {path}'s step {it}: give a later "
                         f"step, or 0 to train to the end")
-    return [k for k, v in ours.items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
+    if it == run.total_iters and ckpt.get("evaluated", True):
+        if run.master:
+            print(f"out_dir={cfg.out_dir!r} holds this run, finished: {path} is at the end of its schedule "
+                  f"(step {it}); nothing to train", flush=True)
+        return True
+    changed = [k for k, v in ours.items() if k not in RUNTIME_KEYS and theirs.get(k) != v]
+    if changed and run.master:
+        print(f"warning: resuming with changed {', '.join(changed)}: the run will not replay exactly",
+              flush=True)
+    return False
 
 
 def restore(ckpt, device, model, opt):

@@ -21,9 +21,12 @@ class TrainConfig(GPTConfig):
     # I/O
     out_dir: str = "out"
     data_dir: str = "data/shakespeare"  # train.bin, val.bin, meta.json (data/prepare.py)
-    init_from: str = "scratch"          # 'scratch', 'resume' (out_dir's newest ckpt-<iter>.pt),
-                                        # 'resume_previous' (the one before it), a checkpoint path
-                                        # (weights only) or 'hf:PATH' (stage 1 from a HF LLaMA folder)
+    init_from: str = "auto"             # 'auto': continue this run from out_dir's newest checkpoint, or
+                                        # start it when there is none (a scheduler reruns the same
+                                        # command); 'scratch' (out_dir must hold none), 'resume' (out_dir's
+                                        # newest ckpt-<iter>.pt), 'resume_previous' (the one before it), a
+                                        # checkpoint path (weights only) or 'hf:PATH' (stage 1 from a HF
+                                        # LLaMA folder)
     eval_interval: int = 100
     eval_iters: int = 20
     eval_tokens: int = 0                # >0: val loss (and perplexity) on the val split's first eval_tokens
@@ -86,6 +89,9 @@ class TrainConfig(GPTConfig):
     loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
                                         # the backward, so the full logits and their gradient never exist
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
+    dist_timeout: float = 300.0         # seconds a rank waits in a collective for the others before it gives
+                                        # up (a rank gone or hung; NCCL's default is 600, gloo's 1800): above
+                                        # the longest any rank works alone (a gathered checkpoint's write)
     # tracking: what metrics.jsonl holds, also sent to TensorBoard and/or W&B (rank 0; off by default)
     tensorboard_dir: str = ""           # a folder for TensorBoard's event files ("": none); pip install
                                         # tensorboard; then: tensorboard --logdir <that folder>
@@ -104,8 +110,9 @@ class TrainConfig(GPTConfig):
                 raise UserError(f"{key}={getattr(self, key)} must be >= 1")
         for key in ("sync_check_every", "loss_chunk", "warmup_iters", "stage_warmup_iters", "relora_every",
                     "stop_at", "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
-                    "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale", "eval_tokens"):
-            v, positive = getattr(self, key), key in ("learning_rate", "galore_scale")
+                    "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale", "eval_tokens",
+                    "dist_timeout"):
+            v, positive = getattr(self, key), key in ("learning_rate", "galore_scale", "dist_timeout")
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise UserError(f"{key}={v} must be a finite number {'> 0' if positive else '>= 0'}")
         for key, options in CHOICES.items():
@@ -136,11 +143,10 @@ class TrainConfig(GPTConfig):
         if self.min_lr > self.learning_rate:
             raise UserError(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}; the cosine "
                             f"decays down to min_lr")
-        if self.init_from not in ("scratch", "resume", "resume_previous") and \
-                not os.path.exists(self.init_from.removeprefix("hf:")):
-            raise UserError(f"init_from={self.init_from!r}: use 'scratch', 'resume', 'resume_previous', the "
-                            f"path of a checkpoint (a file, or a run folder for its newest) or hf:PATH (a "
-                            f"Hugging Face LLaMA folder)")
+        if self.init_from not in INITS and not os.path.exists(self.init_from.removeprefix("hf:")):
+            raise UserError(f"init_from={self.init_from!r}: use 'auto', 'scratch', 'resume', "
+                            f"'resume_previous', the path of a checkpoint (a file, or a run folder for its "
+                            f"newest) or hf:PATH (a Hugging Face LLaMA folder)")
         if any(not isinstance(t, int) or t < 1 for t in self.stage_tokens):
             raise UserError(f"stage_tokens={self.stage_tokens}: every stage needs a positive whole number "
                             f"of tokens")
@@ -169,6 +175,7 @@ class TrainConfig(GPTConfig):
                             f"{grow.stage_count(self)} stages")
 
 
+INITS = ("auto", "scratch", "resume", "resume_previous")
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
            "optimizer": ("adamw", "adamw8bit", "galore"), "grow_init": grow.INITS,
            "grow_where": grow.PLACEMENTS, "fsdp_checkpoint": ("auto", "gathered", "sharded")}

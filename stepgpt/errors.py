@@ -6,6 +6,12 @@ class UserError(Exception):
     """Bad input from the user (a config, data, a checkpoint, an argument)."""
 
 
+class PeerLost(UserError):
+    """Not bad input: another rank of the run is gone (killed, its node lost, hung), so this one
+    cannot go on. One line all the same (stepgpt/runtime.py names the rank), not a collective's
+    traceback; a restart continues the run."""
+
+
 def run_cli(main):
     """main(argv) for a script: a UserError ends it with one line on stderr and exit status 2."""
     try:

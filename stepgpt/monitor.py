@@ -99,8 +99,9 @@ class Logger:
 
 class TensorBoard:
     """TensorBoard's event files (torch's SummaryWriter). A resumed run purges the steps after its
-    checkpoint (purge_step): readers drop what the earlier attempt wrote from there on, as the
-    resume drops those records from metrics.jsonl, so no step appears twice."""
+    checkpoint (purge_step), and a fresh one every step (an earlier attempt killed before its first
+    checkpoint): readers drop what an earlier attempt wrote from there on, as the run drops those
+    records from metrics.jsonl, so no step appears twice."""
 
     def __init__(self, folder, resume_step):
         try:
@@ -110,7 +111,7 @@ class TensorBoard:
                             "tensorboard==2.21.0 (or leave tensorboard_dir empty)") from None
         self.start = 0 if resume_step is None else resume_step + 1   # the first step this attempt trains
         try:
-            self.writer = SummaryWriter(folder, purge_step=self.start if resume_step is not None else None)
+            self.writer = SummaryWriter(folder, purge_step=self.start)
         except OSError as e:
             raise UserError(f"tensorboard_dir={folder!r} cannot be written ({e.strerror or e}); give a "
                             f"writable folder") from None

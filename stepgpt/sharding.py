@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import frozen_linear
-from data.load import eval_batches
 from model import GPT, LINEARS, FrozenLoRALinear, GPTConfig, rope_cache
 from stepgpt import kernels
 from stepgpt.errors import UserError
@@ -44,19 +43,11 @@ def sharded(model):
 
 
 def check(run):
-    """The settings FSDP cannot run with, each refused in one line before any training."""
-    cfg = run.cfg
+    """FSDP needs torchrun's ranks; refused in one line before any training. (The world sizes whose
+    ranks all run as many eval batches: runtime.check_world.)"""
     if not dist.is_initialized():
         raise UserError("fsdp=True shards the model over torchrun's ranks: start it with torchrun "
                         "--nproc_per_node=N (N >= 2), or drop --fsdp=True")
-    evals = {"eval_iters": cfg.eval_iters}
-    if cfg.eval_tokens:
-        evals["eval_tokens"] = eval_batches(run.data, cfg.eval_tokens, cfg.batch_size, cfg.block_size)
-    for key, n in evals.items():
-        if n % run.world:
-            raise UserError(f"fsdp=True: {key}={getattr(cfg, key)} makes {n} eval batches, not a "
-                            f"multiple of the world size {run.world} (each forward gathers every block from "
-                            f"all ranks, so all ranks must run as many)")
 
 
 @functools.cache

@@ -90,6 +90,7 @@ def test_every_model_field_can_be_set_from_a_config():
     (["--frozen_layers=[0]"], "frozen_layers is set by the stages"),
     (["--n_embd=30", "--n_head=4"], "n_embd=30 must split into n_head=4 heads"),
     (["--init_from=nowhere.pt"], "init_from"),
+    (["--dist_timeout=0"], "dist_timeout=0.0 must be a finite number > 0"),
 ])
 def test_bad_value_is_one_clear_error(argv, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

@@ -153,11 +153,12 @@ def readme_commands():
 def test_the_readmes_two_node_commands_run_as_two_nodes_on_localhost(tmp_path):
     """The README's two torchrun commands (c10d rendezvous), node ranks 0 and 1 as two processes on
     this machine, one rank each, scaled down in size only (the model, the batch, the token budget and
-    the schedule's lengths), stopped in stage 2; the README's resume command, on one process, ends
-    the run where one process's run ends, with the same evals."""
+    the schedule's lengths), stopped in stage 2; the page's command after a pre-emption (the plain
+    one-process command: it continues the run) ends the run where one process's run ends, with the
+    same evals."""
     commands = readme_commands()
     nodes = [c for c in commands if "--nnodes=2" in c]
-    resume = next(c for c in commands if c[0] == "python" and "--init_from=resume" in c)
+    resume = next(c for c in commands if c[0] == "python")   # the same command continues a run
     assert [[a for a in c if a.startswith("--node_rank")] for c in nodes] == [["--node_rank=0"],
                                                                               ["--node_rank=1"]], nodes
     assert all("--rdzv_endpoint=HOST0:29500" in c and "--nproc_per_node=8" in c for c in nodes), nodes
@@ -194,8 +195,7 @@ def test_the_readmes_two_node_commands_run_as_two_nodes_on_localhost(tmp_path):
         return ok(subprocess.run([sys.executable, *command[1:], *size, f"--out_dir={out}"], cwd=ROOT,
                                  capture_output=True, text=True, timeout=HANG))
 
-    straight = [a for a in resume if a != "--init_from=resume"]         # python train.py CONFIG
-    one = one_process(straight, tmp_path / "one")
+    one = one_process(resume, tmp_path / "one")   # python train.py CONFIG: the run, straight
     # the two nodes stop in stage 2 (after the growth at step 6 and the eval at 8); one process ends
     # the run: the same run as one process's, its evals those of one process
     two = two_nodes(tmp_path / "two-then-one", "--stop_at=8")

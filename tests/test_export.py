@@ -248,7 +248,7 @@ def test_bad_folders(runs, tmp_path):
         f.truncate(1000)   # a partial copy
     with pytest.raises(UserError, match="cannot read model.safetensors"):
         load_hf(damaged, cfg)
-    with pytest.raises(UserError, match="use 'scratch', .* or hf:PATH"):
+    with pytest.raises(UserError, match="use 'auto', 'scratch', .* or hf:PATH"):
         load_config([f"--init_from=hf:{tmp_path / 'nowhere'}"])
 
 

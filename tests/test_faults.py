@@ -81,14 +81,14 @@ def straight(tmp_path_factory):
 
 
 def start(out, data, script, env=None):
-    init = "--init_from=resume" if checkpoint_files(str(out)) else "--init_from=scratch"
-    return subprocess.Popen([sys.executable, script, *RUN, f"--data_dir={data}", f"--out_dir={out}", init],
+    """The same command every time: the default init_from=auto continues the run out holds."""
+    return subprocess.Popen([sys.executable, script, *RUN, f"--data_dir={data}", f"--out_dir={out}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def paused(out, data, tmp_path, **at):
-    """train.py, resumed if out holds a checkpoint, started with PAUSE at `at` (PAUSE_STEP=k or
-    PAUSE_SAVE=n); -> the process once it has paused there, or has ended."""
+    """train.py (the same command: it continues the run if out holds one), started with PAUSE at `at`
+    (PAUSE_STEP=k or PAUSE_SAVE=n); -> the process once it has paused there, or has ended."""
     mark = tmp_path / "paused"
     if mark.exists():
         mark.unlink()
@@ -112,7 +112,7 @@ def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path):
         rest, err = proc.communicate(timeout=HANG)
         assert proc.returncode == 0, err
         line = [ln for ln in rest.splitlines() if ln.startswith("stopped by")][0]
-        assert f"stopped by {sig.name} after step {step}:" in line and "--init_from=resume" in line
+        assert f"stopped by {sig.name} after step {step}:" in line and "the same command continues it" in line
         assert load_checkpoint(str(out))["iter_num"] == step
     proc = start(out, data, "train.py")
     proc.communicate(timeout=HANG)
@@ -120,8 +120,9 @@ def test_sigterm_and_sigint_save_and_exit_cleanly(straight, tmp_path):
     same_final_state(straight[0] / "straight", out)
 
 
-def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
-    """Killed at random steps and twice while a checkpoint is half written; each time resumed."""
+def test_sigkill_anywhere_then_the_same_command_is_bit_exact(straight, tmp_path):
+    """Killed at random steps and twice while a checkpoint is half written; each time the same
+    command again (as a requeue runs it), which continues the run; its end is the straight one's."""
     _, data = straight
     out = tmp_path / "out"
     size = os.path.getsize(checkpoint_files(str(straight[0] / "straight"))[0])

@@ -5,9 +5,11 @@ equals GPT(cfg) from the same seed, the frozen linear receives plain tensors (in
 row scales under the bf16 policy), a compiled block has no graph break, a checkpoint saved gathered or
 sharded (torch.distributed.checkpoint) holds the same; then, on the same two ranks, train.py with the
 docs' sharded-checkpoint command, resumed under FSDP and DDP, refusing damaged folders. Under
-torchrun (slow): the same run as one process through a growth and ReLoRA restarts, checkpoints that
-move between 1 process, DDP and FSDP, SIGTERM and kill -9 and bit-exact resumes, and
-docs/distributed.md's command as written, scaled down in size only."""
+torchrun (slow): the same run as one process through a growth and ReLoRA restarts, an FSDP
+checkpoint resumed on one process, kill -9 of the whole job then the same command to the bit-exact
+end, a sharded folder written as one file (tools/dcp_to_file.py), and docs/distributed.md's command
+as written, scaled down in size only. Checkpoints that move between world sizes and between FSDP
+and DDP, and faults inside a sharded save: tests/test_elastic.py."""
 import functools
 import json
 import os
@@ -462,6 +464,32 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_the_tools_read_it(spawn
 
 
 @pytest.mark.slow
+def test_a_sharded_checkpoint_becomes_one_file_that_holds_the_same(spawned, capsys):
+    """docs/distributed.md's tools/dcp_to_file.py, in-process: the sharded run's newest folder (the
+    run folder given) written as one checkpoint file, which load_checkpoint verifies and reads into
+    the same dict as the folder, no temp file left; an existing --out, a damaged folder and a run
+    whose newest is a .pt are refused in one line, nothing written."""
+    from tools import dcp_to_file
+    _, tmp = spawned
+    page = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    (line,) = re.findall(r"^(python tools/dcp_to_file\.py .*)$", page, re.M)
+    argv = shlex.split(line, comments=True)
+    assert argv[:2] == ["python", "tools/dcp_to_file.py"] and argv[3] == "--out", argv
+    out, folder = tmp / "one-file.pt", checkpoint_files(str(tmp / "sharded"))[0]
+    capsys.readouterr()
+    dcp_to_file.main([str(tmp / "sharded"), "--out", str(out)])
+    assert capsys.readouterr().out.startswith(f"wrote {out} (") and folder.endswith(".dcp")
+    assert same_dicts(load_checkpoint(str(out)), load_checkpoint(folder))
+    assert sorted(os.listdir(tmp)).count("one-file.pt.tmp") == 0
+    for bad, says in ((tmp / "sharded", "exists"), (tmp / "damaged", "checksum mismatch in __0_0.distcp"),
+                      (tmp / "ddp-resumed", "is not a .dcp checkpoint folder")):
+        with pytest.raises(UserError) as e:
+            dcp_to_file.main([str(bad), "--out", str(out if says == "exists" else tmp / "refused.pt")])
+        assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not os.path.exists(tmp / "refused.pt")
+
+
+@pytest.mark.slow
 def test_the_frozen_linear_gets_plain_tensors_int8_as_stored_and_fp32_scales_under_bf16(ranks):
     plain = [(("Parameter", "torch.int8"),) + (("Parameter", "torch.float32"),) * 3]
     for found in ranks:
@@ -670,42 +698,11 @@ def _workers(launcher):
     return workers
 
 
-RELORA = ["--gradient_accumulation_steps=4", "--stage_tokens=[768, 768]", "--relora_every=2"]
-
-
-@pytest.mark.slow
-def test_checkpoints_move_between_one_process_fsdp_and_ddp_both_ways(docs_run):
-    """One run in four legs, each resuming the last one's checkpoint, 2 micro-steps per rank: 1 process
-    (steps 0-3); FSDP (the growth at 6, a ReLoRA restart at 8) until SIGTERM to rank 1 alone stops
-    both ranks, which save; DDP for a step; FSDP to the end. It ends where one process running it
-    straight ends."""
-    tmp, data, command, _, _ = docs_run
-    keys = [f"--data_dir={data}", *RELORA]
-    ok(python(single(command), tmp / "straight", *keys))
-    legs = tmp / "legs"
-    ok(python(single(command), legs, *keys, "--stop_at=3"))
-    proc = _start(torchrun(_slow(tmp, command), legs, *keys, "--init_from=resume"))
-    _wait_for_step(proc, 9)
-    os.kill(_workers(proc)[1], signal.SIGTERM)
-    rest, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    stopped = load_checkpoint(str(legs))["iter_num"]
-    assert "stopped by a signal to another rank after step" in rest and 9 <= stopped <= 10, rest[-2000:]
-    ddp = [a for a in command if a != "--fsdp=True"]
-    for cmd, stop in ((ddp, stopped + 1), (command, 0)):
-        out = ok(torchrun(cmd, legs, *keys, "--init_from=resume", f"--stop_at={stop}"))
-        assert ("fsdp : True" in out) == (cmd is command) and "world size : 2" in out
-    assert load_checkpoint(str(legs))["iter_num"] == 12
-    same_tensors(legs, tmp / "straight", exact=False)
-    a, b = val_losses(legs), val_losses(tmp / "straight")
-    assert abs(a[-1] - b[-1]) <= 1e-5 * b[-1], (a, b)
-
-
 @pytest.mark.slow
 def test_kill_minus_9_of_the_whole_job_mid_stage_then_resume_ends_bit_for_bit(docs_run):
-    """FSDP killed with SIGKILL (launcher and ranks at once) mid stage 2, resumed from its last
-    checkpoint: the end equals the docs run's straight end, every tensor and AdamW moment bit for
-    bit."""
+    """FSDP killed with SIGKILL (launcher and ranks at once) mid stage 2, then the same command
+    again: it continues from the last checkpoint, and the end equals the docs run's straight end,
+    every tensor and AdamW moment bit for bit."""
     tmp, data, command, _, _ = docs_run
     out = tmp / "killed"
     proc = _start(torchrun(_slow(tmp, command), out, f"--data_dir={data}"))
@@ -714,7 +711,7 @@ def test_kill_minus_9_of_the_whole_job_mid_stage_then_resume_ends_bit_for_bit(do
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert load_checkpoint(str(out))["iter_num"] in (8, 10)   # mid stage 2 (steps 6-12)
-    ok(torchrun(command, out, f"--data_dir={data}", "--init_from=resume"))
+    ok(torchrun(command, out, f"--data_dir={data}"))
     same_tensors(out, tmp / "fsdp", exact=True)
 
 

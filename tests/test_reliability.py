@@ -46,13 +46,36 @@ def records(out):
 
 # -- a run owns its out_dir ------------------------------------------------------------------------
 
-def test_a_fresh_run_into_a_folder_with_another_runs_checkpoints_stops_before_any_work(tmp_path):
-    data = run(tmp_path)
-    before = {p: os.path.getmtime(p) for p in checkpoint_files(str(tmp_path / "out"))}
+def test_the_same_command_continues_its_run_ends_it_once_and_refuses_another_runs_folder(tmp_path, capsys):
+    """The default init_from=auto: the same command starts the run (out_dir holds no checkpoint),
+    continues it (the log's first line names the checkpoint) and, run again at its end, says so in
+    one line without training. A run of another seed, model, stage plan or data into that folder is
+    refused in one line, and so is an explicit init_from=scratch; the folder is left untouched."""
+    data = run(tmp_path, "--stop_at=4")
+    out = str(tmp_path / "out")
+    first = lambda: capsys.readouterr().out.splitlines()[0]   # noqa: E731
+    assert first() == f"init_from=auto: out_dir={out!r} holds no checkpoint: starting the run from scratch"
+    run(tmp_path, data=data)
+    assert first() == (f"init_from=auto: out_dir={out!r} holds this run: resuming from "
+                       f"{out}/ckpt-00000004.pt (step 4)")
+    before = {p: os.path.getmtime(p) for p in checkpoint_files(out) + [os.path.join(out, "metrics.jsonl")]}
+    run(tmp_path, data=data)
+    assert capsys.readouterr().out == (f"out_dir={out!r} holds this run, finished: {out}/ckpt-00000012.pt is "
+                                       f"at the end of its schedule (step 12); nothing to train\n")
+    other = write_dataset(tmp_path / "other", n_train=5000, seed=3)
+    for change, says in (("--seed=7", "seed=1337 (config says 7)"),
+                         ("--n_embd=48", "n_embd=32 (config says 48)"),
+                         ("--stage_layers=[2, 1]", "stage_layers=[1, 1] (config says [2, 1])"),
+                         (f"--data_dir={other}", f"data_dir={data!r} (config says {other!r})")):
+        with pytest.raises(UserError) as e:
+            run(tmp_path, change, data=data)
+        assert one_line(e).startswith(f"out_dir={out!r} holds the checkpoints of another run "
+                                      f"({out}/ckpt-00000012.pt: {says}"), str(e.value)
+        assert "--init_from=resume" in str(e.value) and "another --out_dir" in str(e.value)
     with pytest.raises(UserError) as e:
-        run(tmp_path, "--seed=7", data=data)
-    assert "holds the checkpoints of an earlier run" in one_line(e) and "--init_from=resume" in str(e.value)
-    assert {p: os.path.getmtime(p) for p in checkpoint_files(str(tmp_path / "out"))} == before   # untouched
+        run(tmp_path, "--init_from=scratch", data=data)
+    assert "holds the checkpoints of an earlier run" in one_line(e) and "init_from=scratch" in str(e.value)
+    assert {p: os.path.getmtime(p) for p in before} == before   # untouched
 
 
 def test_resume_previous_moves_the_newest_aside_so_a_later_resume_does_not_take_it(tmp_path, capsys):
@@ -66,6 +89,37 @@ def test_resume_previous_moves_the_newest_aside_so_a_later_resume_does_not_take_
     assert [os.path.basename(p) for p in checkpoint_files(out)] == ["ckpt-00000012.pt", "ckpt-00000009.pt"]
 
 
+DIVIDES = "each does an equal share of a step's micro-steps"
+GATHERS = "each forward gathers every block from all ranks, so all ranks must run as many"
+
+
+FSDP = "--fsdp=True"
+
+
+@pytest.mark.parametrize("keys, world, says, fit", [
+    (["--gradient_accumulation_steps=4"], 3, f"gradient_accumulation_steps=4 does not divide over 3 ranks "
+     f"({DIVIDES}); this run runs on 1, 2 or 4 ranks, and its checkpoints resume on any of them", [1, 2, 4]),
+    (["--gradient_accumulation_steps=12", "--eval_iters=4", FSDP], 3, f"fsdp=True: eval_iters=4 makes 4 "
+     f"eval batches, not a multiple of the world size 3 ({GATHERS}); this run runs on 2 or 4 ranks, and its "
+     f"checkpoints resume on any of them", [2, 4]),
+    (["--gradient_accumulation_steps=3", "--eval_iters=2", FSDP], 2, f"gradient_accumulation_steps=3 does "
+     f"not divide over 2 ranks ({DIVIDES}); no world size over 1 divides both: change eval_iters or "
+     f"gradient_accumulation_steps", []),
+])
+def test_a_world_size_that_cannot_hold_the_run_names_those_that_can(tmp_path, keys, world, says, fit):
+    """At any world size a run trains on the same tokens (its batches are drawn by global index), so
+    a checkpoint moves between world sizes (tests/test_elastic.py); one that does not divide the
+    micro-steps (or, under FSDP, the eval batches) is refused in one line naming those that do."""
+    from stepgpt import runtime
+    data = write_dataset(tmp_path / "data")
+    cfg, tokens = load_config(TINY + [f"--data_dir={data}", *keys]), train.load_data(data, 16)[0]
+    with pytest.raises(UserError) as e:
+        runtime.check_world(cfg, world, tokens)
+    assert one_line(e) == says
+    for m in fit:   # those it names pass
+        runtime.check_world(cfg, m, tokens)
+
+
 # -- resume under another schedule, other data, a stop before it -----------------------------------
 
 def test_a_checkpoint_past_the_new_schedules_end_is_refused_and_one_at_its_end_finishes(tmp_path, capsys):
@@ -77,7 +131,7 @@ def test_a_checkpoint_past_the_new_schedules_end_is_refused_and_one_at_its_end_f
     capsys.readouterr()
     run(tmp_path, tokens, "--init_from=resume", data=data)
     out = capsys.readouterr().out
-    assert "is at the end of the schedule (step 12): nothing left to train" in out and "done: 12 iters" in out
+    assert out.endswith("at the end of its schedule (step 12); nothing to train\n") and out.count("\n") == 1
 
 
 def test_stop_at_before_the_checkpoint_is_one_line(tmp_path):
