@@ -129,3 +129,7 @@ def craft_bytes(folder, marker, fqn="model.wte.weight"):
 
 
 CRAFT = {"file": craft_file, "header": craft_header, "metadata": craft_metadata, "bytes": craft_bytes}
+# what the refusal of each says: the file it names inside the checkpoint, and what it asked for
+REFUSED_FILE = {"file": "", "header": "/header.pt", "metadata": "/.metadata", "bytes": "/.metadata"}
+ASKED = {**{kind: "asks for builtins.exec while it is read" for kind in ("file", "header", "metadata")},
+         "bytes": "declares model.wte.weight pickled bytes (DCP unpickles them in full), not a tensor"}

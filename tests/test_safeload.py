@@ -31,18 +31,13 @@ from stepgpt.checkpoint import (DIGEST_HEX, HEADER, MAGIC, MANIFEST, _file_diges
                                 checkpoint_files, load_checkpoint)
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
-from tests.helpers import CRAFT, HANG, Payload, write_dataset
+from tests.helpers import ASKED, CRAFT, HANG, REFUSED_FILE, Payload, write_dataset
 from tools import digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
        "--lora_rank=4", "--eval_iters=2", "--log_interval=2", "--sample_tokens=0", "--warmup_iters=2",
        "--stage_warmup_iters=1", "--stage_layers=[1, 1]", "--max_iters=12", "--eval_interval=4"]
-# what each crafted file's refusal says it asked for
-EXEC = "asks for builtins.exec while it is read"
-ASKED = {"file": EXEC, "header": EXEC, "metadata": EXEC,
-         "bytes": "declares model.wte.weight pickled bytes (DCP unpickles them in full), not a tensor"}
-REFUSED_FILE = {"file": "", "header": "/header.pt", "metadata": "/.metadata", "bytes": "/.metadata"}
 
 
 def as_folder(path, folder):
