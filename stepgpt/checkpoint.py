@@ -291,9 +291,9 @@ def _load(path, share=(0, 1), whole=True):
 
 def _read(path, whole=True):
     """A verified checkpoint's dict, read as data (stepgpt/safeload.py: a file that asks to run code
-    is refused). A .dcp folder's: its header with the tensors read whole into it
-    on this process (whole=True), or left where they are (ckpt["dcp"]: the folder, from which each
-    FSDP rank reads its rows: stepgpt/sharding.py)."""
+    is refused). A .dcp folder's: its header with the tensors read whole into it on this process
+    (whole=True), or left where they are (ckpt["dcp"]: the folder, from which each FSDP rank reads
+    its rows: stepgpt/sharding.py)."""
     with open(os.path.join(path, HEADER) if path.endswith(".dcp") else path, "rb") as f:
         f.seek(len(MAGIC) + DIGEST_HEX + 1)
         ckpt = safeload.load(f, f.name)
