@@ -35,8 +35,8 @@ from stepgpt.errors import UserError
 
 # What the numpy RNG state (np.random.get_state()'s uint32 array) of a checkpoint written before
 # the state was kept as a tensor needs: the array, its dtype, and the function that rebuilds it
-# (under numpy 2's name, and numpy 1's, which numpy 2 still answers to). torch's documentation
-# names these as the ones that load numpy arrays weights-only.
+# (under numpy 2's module name and numpy 1's: a file names the one it was written under). torch's
+# documentation names these as the ones that load numpy arrays weights-only.
 _reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
 OLD_FILES = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
              (_reconstruct, "numpy._core.multiarray._reconstruct"),
