@@ -127,11 +127,11 @@ def main(argv):
     scale = SCALES[a.scale]
     sft_data = os.path.abspath(a.sft_data or scale["sft_data"] or p.error("--scale 350m needs --sft_data"))
     tasks = (a.tasks or scale["tasks"]).split(",")
+    runs = {"vanilla": a.vanilla, "step": a.step}
+    ckpts = {name: load_checkpoint(path) for name, path in runs.items()}   # before anything is written
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     log = lambda msg: print(f"[downstream {time.strftime('%H:%M:%S')}] {msg}", flush=True)   # noqa: E731
-    runs = {"vanilla": a.vanilla, "step": a.step}
-    ckpts = {name: load_checkpoint(path) for name, path in runs.items()}
     data_dirs = {ckpt["config"]["data_dir"] for ckpt in ckpts.values()}
     if not a.data_dir and len(data_dirs) > 1:
         raise UserError(f"the runs were trained on different data ({sorted(data_dirs)}); give --data_dir")

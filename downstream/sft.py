@@ -81,7 +81,7 @@ def build_trainer(a, records, output_dir):
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.pad_token = tok.eos_token   # the export has none; padded positions are out of the loss
     tok.chat_template = CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, use_safetensors=True)
     max_length = a.max_length or model.config.max_position_embeddings
     examples = [conversation(r) for r in records]
     lengths = [(len(tok.apply_chat_template(e["prompt"], add_generation_prompt=True)),
@@ -122,7 +122,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    for name in ("config.json", "tokenizer.json"):
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):   # weights as data, not a pickle
         if not os.path.isfile(os.path.join(a.model, name)):
             raise SystemExit(f"error: {a.model} has no {name}: give a folder written by export_hf.py from a "
                              "checkpoint with a cl100k tokenizer")

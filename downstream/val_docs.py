@@ -89,13 +89,13 @@ def main(argv):
     p.add_argument("--max_tokens", type=int, default=0, help="the first documents up to this many tokens")
     p.add_argument("--ckpt", default="", help="a checkpoint or run folder: print its bits per byte on them")
     a = p.parse_args(argv)
+    model = GPT.from_checkpoint(load_checkpoint(a.ckpt), a.ckpt).eval() if a.ckpt else None   # read first
     enc, docs = documents(a.data_dir, a.max_tokens)
     out = a.out or os.path.join(a.data_dir, "val_docs.jsonl")
     with open(out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
     print(f"wrote {out}: {len(docs)} documents, {sum(len(d.encode('utf-8')) for d in docs):,} bytes")
-    if a.ckpt:
-        model = GPT.from_checkpoint(load_checkpoint(a.ckpt), a.ckpt).eval()
+    if model is not None:
         print(f"bits per byte of {a.ckpt} (ours, lm-eval's windows): {bits_per_byte(model, enc, docs):.6f}")
 
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from model import GPTConfig
-from stepgpt import kernels, optim, sharding
+from stepgpt import kernels, optim, safeload, sharding
 from stepgpt.errors import UserError
 
 # keys a run may change when it resumes without changing what it computes
@@ -332,14 +332,17 @@ def _load(path, share=(0, 1), whole=True):
 
 
 def _read(path, whole=True):
-    """A verified checkpoint's dict. A .dcp folder's: its header with the tensors read whole into it
-    on this process (whole=True), or left where they are (ckpt["dcp"]: the folder, from which each
-    FSDP rank reads its rows: stepgpt/sharding.py)."""
+    """A verified checkpoint's dict, read as data (stepgpt/safeload.py: a file that asks to run code
+    is refused). A .dcp folder's: its header with the tensors read whole into it on this process
+    (whole=True), or left where they are (ckpt["dcp"]: the folder, from which each FSDP rank reads
+    its rows: stepgpt/sharding.py)."""
     with open(os.path.join(path, HEADER) if path.endswith(".dcp") else path, "rb") as f:
         f.seek(len(MAGIC) + DIGEST_HEX + 1)
-        ckpt = torch.load(f, map_location="cpu", weights_only=False)
+        ckpt = safeload.load(f, f.name)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UserError(f"{path} is not a checkpoint of this project (no model/model_args)")
+    if path.endswith(".dcp"):   # read now, before any work (FSDP: on rank 0, before the ranks build)
+        safeload.read_metadata(os.path.join(path, ".metadata"))
     if path.endswith(".dcp") and whole:
         empty = lambda v: torch.empty(v[1], dtype=v[2])  # noqa: E731
         tensors = {"model": {k: empty(v) for k, v in ckpt["model"].items()},
@@ -347,7 +350,7 @@ def _read(path, whole=True):
                                  for i, s in ckpt["optimizer"]["state"].items()}}
         with warnings.catch_warnings():   # that it loads on one process, as asked
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(tensors, checkpoint_id=path, no_dist=True)   # each tensor whole, on this process alone
+            safeload.load_dcp(tensors, path, no_dist=True)   # each tensor whole, on this process alone
         ckpt["model"] = tensors["model"]
         ckpt["optimizer"]["state"] = {i: {**s, **tensors["optimizer"][i]}
                                       for i, s in ckpt["optimizer"]["state"].items()}
@@ -490,7 +493,9 @@ def save(run, model, opt, it, best_val, evaluated):
     work and eval (written at the eval), or is the state after step it-1 (written on a signal),
     which a resume then evaluates first. -> the checkpoint's path."""
     cuda = run.device.type == "cuda"
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    numpy_rng = np.random.get_state()   # its uint32 array kept as a tensor: the file holds no numpy object
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "numpy": (numpy_rng[0], torch.from_numpy(numpy_rng[1].astype(np.int64)), *numpy_rng[2:]),
            "cuda": torch.cuda.get_rng_state(run.device) if cuda else None}
     meta = {"model_args": asdict(model.config), "iter_num": it, "best_val_loss": best_val,
             "evaluated": evaluated, "config": asdict(run.cfg), "meta": run.meta, "kernels": kernels.state(),
@@ -691,5 +696,6 @@ def restore(ckpt, device, model, opt):
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-    np.random.set_state(ckpt["rng"]["numpy"])
+    name, keys, *rest = ckpt["rng"]["numpy"]   # keys: a tensor, or a numpy array in older files
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     random.setstate(ckpt["rng"]["python"])

@@ -23,7 +23,6 @@ from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
@@ -34,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import frozen_linear
 from model import GPT, LINEARS, FrozenLoRALinear, GPTConfig, rope_cache
-from stepgpt import kernels
+from stepgpt import kernels, safeload
 from stepgpt.errors import UserError
 
 
@@ -178,7 +177,7 @@ def from_state(run, ckpt, state=None):
     model = shard(run, skeleton(cfg))
     _materialise(run, model)
     if isinstance(ckpt, dict) and "dcp" in ckpt:
-        dcp.load({"model": model.state_dict()}, checkpoint_id=ckpt["dcp"])
+        safeload.load_dcp({"model": model.state_dict()}, ckpt["dcp"])
         return model
     state = ckpt["model"] if state is None else state
     set_model_state_dict(model, state if run.master else {},
@@ -328,7 +327,7 @@ def load_optimizer(opt, ckpt):
         state = {i: {k: _empty_like(v, params[i]) if is_spec(v) else v for k, v in s.items()}
                  for i, s in ckpt["optimizer"]["state"].items()}
         tensors = {i: {k: v for k, v in s.items() if torch.is_tensor(v)} for i, s in state.items()}
-        dcp.load({"optimizer": tensors}, checkpoint_id=ckpt["dcp"])
+        safeload.load_dcp({"optimizer": tensors}, ckpt["dcp"])
         opt.load_state_dict({**ckpt["optimizer"], "state": state})
         return
     sd = ckpt["optimizer"]

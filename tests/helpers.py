@@ -42,3 +42,94 @@ def needs_interpreter():
     from stepgpt.kernels import frozen_lora
     if frozen_lora.INTERPRETER_PROBLEM:
         pytest.skip(frozen_lora.INTERPRETER_PROBLEM)
+
+
+# -- checkpoints built as an attacker would (tests/test_safeload.py, tests/test_fsdp.py) ------------
+
+class Payload:
+    """What a crafted checkpoint hides: unpickled in full, it runs code, which writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def relist(folder, *names):
+    """A checkpoint folder's MANIFEST.json made to match its files `names` again (sizes and digests),
+    as whoever changed them would."""
+    from stepgpt.checkpoint import MANIFEST, _file_digest
+    path = os.path.join(folder, MANIFEST)
+    with open(path) as f:
+        files = json.load(f)["files"]
+    for name in names:
+        file = os.path.join(folder, name)
+        files[name] = [os.path.getsize(file), _file_digest(file)]
+    with open(path, "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f)
+
+
+def craft_file(path, marker):
+    """The .pt checkpoint `path` rewritten with a Payload in it, its header and checksum correct."""
+    from stepgpt.checkpoint import _write_file, load_checkpoint
+    ckpt = load_checkpoint(path)
+    ckpt["meta"] = {**ckpt["meta"], "note": Payload(marker)}
+    _write_file(path, ckpt)
+
+
+def craft_header(folder, marker):
+    """A checkpoint folder's header.pt rewritten with a Payload in it (header, manifest correct)."""
+    from stepgpt import safeload
+    from stepgpt.checkpoint import DIGEST_HEX, HEADER, MAGIC, _write_file
+    path = os.path.join(folder, HEADER)
+    with open(path, "rb") as f:
+        f.seek(len(MAGIC) + DIGEST_HEX + 1)
+        header = safeload.load(f, path)
+    header["kernels"] = {**header["kernels"], "note": Payload(marker)}
+    _write_file(path, header)
+    relist(folder, HEADER)
+
+
+def craft_metadata(folder, marker):
+    """A checkpoint folder's .metadata (DCP's, which its FileSystemReader unpickles in full) rewritten
+    with a Payload in it, the manifest made to match."""
+    import pickle
+    from stepgpt import safeload
+    path = os.path.join(folder, ".metadata")
+    metadata = safeload.read_metadata(path)
+    metadata.planner_data = {**(metadata.planner_data or {}), "note": Payload(marker)}
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    relist(folder, ".metadata")
+
+
+def craft_bytes(folder, marker, fqn="model.wte.weight"):
+    """A checkpoint folder whose .metadata holds DCP's own classes alone, but declares the tensor `fqn`
+    as pickled bytes (which DCP's planner reads with torch.load(weights_only=False)), and a new file
+    of the folder holds a Payload in that place; the manifest made to match."""
+    import io
+    import pickle
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from stepgpt import safeload
+    blob = io.BytesIO()
+    torch.save(Payload(marker), blob)
+    with open(os.path.join(folder, "__9_0.distcp"), "wb") as f:
+        f.write(blob.getvalue())
+    path = os.path.join(folder, ".metadata")
+    metadata = safeload.read_metadata(path)
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != fqn}
+    metadata.storage_data[MetadataIndex(fqn)] = _StorageInfo("__9_0.distcp", 0, len(blob.getvalue()))
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    relist(folder, ".metadata", "__9_0.distcp")
+
+
+CRAFT = {"file": craft_file, "header": craft_header, "metadata": craft_metadata, "bytes": craft_bytes}
+# what the refusal of each says: the file it names inside the checkpoint, and what it asked for
+REFUSED_FILE = {"file": "", "header": "/header.pt", "metadata": "/.metadata", "bytes": "/.metadata"}
+ASKED = {**{kind: "asks for builtins.exec while it is read" for kind in ("file", "header", "metadata")},
+         "bytes": "declares model.wte.weight pickled bytes (DCP unpickles them in full), not a tensor"}

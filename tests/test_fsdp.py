@@ -35,7 +35,7 @@ from stepgpt import sharding
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
-from tests.helpers import write_dataset
+from tests.helpers import ASKED, CRAFT, REFUSED_FILE, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -277,18 +277,27 @@ def _sharded_runs(rank, ports, runs):
     """train.py on these two ranks as torchrun would start it (its environment), for the docs' sharded
     checkpoint command: to the end; in a copy, resumed from the checkpoint before its last, under
     FSDP and under DDP (the command without --fsdp=True); and resumed from a copy whose newest folder
-    is damaged in a file that rank 1 verifies (its refusal written to refusal-RANK.txt)."""
+    is damaged in a file that rank 1 verifies, or crafted to run code when read (tests/helpers.py's
+    CRAFT: a .pt file in its place, its header.pt, its .metadata, a pickled-bytes entry); each refusal
+    written to refusal-RANK.txt."""
     import train
     from stepgpt import checkpoint
     command, out = runs
     ddp = [a for a in command if a != "--fsdp=True" and not a.startswith("--fsdp_checkpoint=")]
-    names = ("sharded", "sharded-resumed", "ddp-resumed", "damaged", "damaged-header")
-    for port, name, args, extra in zip(ports, names, (command, command, ddp, command, command),
-                                       ([], ["--init_from=resume_previous"], ["--init_from=resume_previous"],
-                                        ["--init_from=resume"], ["--init_from=resume"])):
+    previous, resume = ["--init_from=resume_previous"], ["--init_from=resume"]
+    cases = [("sharded", command, []), ("sharded-resumed", command, previous), ("ddp-resumed", ddp, previous),
+             ("damaged", command, resume), ("damaged-header", command, resume)]
+    cases += [(f"crafted-{kind}", command, resume) for kind in CRAFT]
+    for port, (name, args, extra) in zip(ports, cases):
         if rank == 0 and name != "sharded":   # the others wait for rank 0 in the process group's start
             shutil.copytree(f"{out}/sharded", f"{out}/{name}")
             newest = checkpoint.checkpoint_files(f"{out}/{name}")[0]
+            if name == "crafted-file":   # a file in the newest folder's place
+                ckpt, newest = checkpoint.load_checkpoint(newest), newest[:-4] + ".pt"
+                shutil.rmtree(newest[:-3] + ".dcp")
+                checkpoint._write_file(newest, ckpt)
+            if name.startswith("crafted-"):
+                CRAFT[name[len("crafted-"):]](newest, f"{out}/marker-{name}")
             if name == "damaged":   # a byte of a file rank 1 hashes
                 with open(f"{newest}/__0_0.distcp", "r+b") as f:
                     first = f.read(1)[0]
@@ -314,7 +323,7 @@ def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     data = write_dataset(tmp / "data", vocab=300)
     runs = (sharded_command() + [f"--data_dir={data}"], str(tmp))
-    ports = [_free_port() for _ in range(6)]
+    ports = [_free_port() for _ in range(10)]
     torch.multiprocessing.spawn(_rank_checks, args=(ports, str(tmp / "found.pkl"), runs), nprocs=WORLD)
     with open(tmp / "found.pkl", "rb") as f:
         return pickle.load(f), tmp
@@ -409,6 +418,7 @@ def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(s
     _, tmp = spawned
     for rank in range(WORLD):
         refusals = (tmp / f"refusal-{rank}.txt").read_text().splitlines()
+        refusals = [line for line in refusals if line.startswith("damaged")]
         assert [line.split(":")[0] for line in refusals] == ["damaged", "damaged-header"], refusals
         for line, file in zip(refusals, ("__0_0.distcp", "header.pt")):
             folder = tmp / line.split(":")[0]
@@ -416,6 +426,27 @@ def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(s
                 f"checkpoint {folder}/ckpt-00000012.dcp is unusable (checksum mismatch in {file}: the folder "
                 f"is damaged); resume from the one before it, {folder}/ckpt-00000010.dcp, with "
                 f"--init_from=resume_previous"), line
+
+
+@pytest.mark.slow
+def test_a_crafted_checkpoint_stops_every_rank_in_one_line_and_runs_nothing(spawned):
+    """The docs' sharded run resumed on its 2 ranks from a copy whose newest checkpoint was built to
+    run code when read (a .pt file, a folder's header.pt or .metadata, or a .metadata declaring a
+    tensor as pickled bytes): every rank refuses it in one line naming the file and what it asked
+    for, before any training; the code never runs (no marker) and no checkpoint is written."""
+    _, tmp = spawned
+    for rank in range(WORLD):
+        refusals = [line for line in (tmp / f"refusal-{rank}.txt").read_text().splitlines()
+                    if line.startswith("crafted-")]
+        assert [line.split(":")[0] for line in refusals] == [f"crafted-{kind}" for kind in CRAFT], refusals
+        for line, kind in zip(refusals, CRAFT):
+            newest = tmp / f"crafted-{kind}" / ("ckpt-00000012.pt" if kind == "file" else "ckpt-00000012.dcp")
+            assert line.split(": ", 1)[1].startswith(
+                f"checkpoint {newest}{REFUSED_FILE[kind]} {ASKED[kind]}: "), line
+    for kind in CRAFT:
+        assert not (tmp / f"marker-crafted-{kind}").exists()
+        assert [os.path.basename(p) for p in checkpoint_files(str(tmp / f"crafted-{kind}"))] == [
+            "ckpt-00000012.pt" if kind == "file" else "ckpt-00000012.dcp", "ckpt-00000010.dcp"]
 
 
 def the_tools_read(ckpt, tmp, capsys):
