@@ -32,7 +32,7 @@ from stepgpt.checkpoint import (DIGEST_HEX, HEADER, MAGIC, MANIFEST, _file_diges
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
 from tests.helpers import ASKED, CRAFT, HANG, REFUSED_FILE, Payload, write_dataset
-from tools import digest
+from tools import dcp_to_file, digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--device=cpu", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=4",
@@ -132,6 +132,10 @@ def _digest(target, tmp, data):
     digest.main([target])
 
 
+def _dcp_to_file(target, tmp, data):
+    dcp_to_file.main([target, f"--out={tmp / 'one.pt'}"])
+
+
 def _val_docs(target, tmp, data):
     val_docs.main([data, f"--out={tmp / 'val.jsonl'}", f"--ckpt={target}"])
 
@@ -147,7 +151,8 @@ def _init_from(target, tmp, data):
 
 ENTRIES = {"sample.py": _sample, "export_hf.py": _export, "grow.py": _grow, "tools/digest.py": _digest,
            "downstream/val_docs.py": _val_docs, "downstream/compare.py": _compare,
-           "train.py --init_from=FILE": _init_from}
+           "train.py --init_from=FILE": _init_from, "tools/dcp_to_file.py": _dcp_to_file}
+FOLDERS_ONLY = {"tools/dcp_to_file.py"}   # a .pt file is one file already: refused before it is read
 
 
 def refusal(run, kind, path, call):
@@ -162,13 +167,14 @@ def refusal(run, kind, path, call):
     return line
 
 
-@pytest.mark.parametrize("entry", ENTRIES)
-@pytest.mark.parametrize("kind", CRAFT)
+@pytest.mark.parametrize("entry,kind", [(e, k) for e in ENTRIES for k in CRAFT
+                                         if not (e in FOLDERS_ONLY and k == "file")])
 def test_every_command_that_opens_a_checkpoint_refuses_a_crafted_one_in_one_line(run, crafted, kind, entry,
                                                                                  tmp_path):
-    """sample.py, export_hf.py, grow.py, tools/digest.py, the downstream readers and train.py
-    --init_from=FILE on each crafted file: one line, the marker never written, and nothing written
-    by the command (train.py's run.lock aside: it takes out_dir before it reads)."""
+    """sample.py, export_hf.py, grow.py, tools/digest.py, tools/dcp_to_file.py (folders), the
+    downstream readers and train.py --init_from=FILE on each crafted file: one line, the marker never
+    written, and nothing written by the command (train.py's run.lock aside: it takes out_dir before
+    it reads)."""
     refusal(run, kind, crafted[kind], lambda: ENTRIES[entry](crafted[kind], tmp_path, run[1]))
     written = [os.path.relpath(p, tmp_path) for p in glob.glob(str(tmp_path / "**"), recursive=True)]
     assert sorted(written) in ([".", "out", os.path.join("out", "run.lock")], ["."]), written

@@ -5,8 +5,9 @@ without the ranks that wrote it:
     python tools/dcp_to_file.py out-step-70b/ckpt-00001000.dcp --out step70b-1000.pt
 
 The folder is verified first (each file's size and BLAKE2b digest against its manifest), then its
-tensors are read whole on this process by torch.distributed.checkpoint's own reader (its
-FileSystemReader, as one process resuming the folder reads it), and the file is written under a
+tensors are read whole on this process by torch.distributed.checkpoint, as one process resuming
+the folder reads it (its metadata through stepgpt/safeload.py's restricted reader: a crafted folder
+is refused, nothing in it runs), and the file is written under a
 temp name with its digest, fsynced and renamed: a kill or a full disk leaves no half file under
 --out. The file holds the same dict as the folder: it resumes, samples, grows and exports as one.
 It needs the host memory of the whole model and its AdamW state.
