@@ -45,8 +45,8 @@ def get_batch(run, split, seed, index):
     (data/load.py: windows at random offsets of a token stream, or rows of documents, shuffled)."""
     x, y = sample_batch(run.data, split, run.cfg.batch_size, run.cfg.block_size, seed, index)
     if run.device.type == "cuda":
-        x, y = (t.pin_memory().to(run.device, non_blocking=True) for t in (x, y))
-    return x, y
+        return tuple(t.pin_memory().to(run.device, non_blocking=True) for t in (x, y))
+    return x.to(run.device), y.to(run.device)   # MPS; on the CPU they are there
 
 
 def batch_seed(seed, split, it, micro):
@@ -156,14 +156,7 @@ def setup(cfg):
 
 
 def _setup(cfg, ddp, rank, local, world, lock):
-    name = cfg.device
-    if name == "auto":
-        name = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and ddp:
-        name = f"cuda:{local}"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={cfg.device} but CUDA is not available; use --device=cpu")
-    device = torch.device(name)
+    device = torch.device(runtime.pick_device(cfg.device, local, ddp))   # auto: CUDA, then MPS, then the CPU
     if cfg.gradient_accumulation_steps % world:
         raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be a multiple "
                         f"of the world size {world} (each rank does an equal share)")
