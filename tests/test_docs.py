@@ -31,6 +31,9 @@ OTHER_FORM = {
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128":
         "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: the "
         "CUDA wheels' triton pins it relies on (the install needs the CUDA index)",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
+        "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: that "
+        "requirements.txt keeps a 2.13.0+cpu torch (the install needs PyTorch's index: CI cannot reach it)",
     "pip install -r requirements-cuda.txt":
         "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: the "
         "file's ranges against those pins",

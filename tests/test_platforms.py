@@ -1,7 +1,7 @@
-"""The machines a learner has besides a Linux box with triton (docs/install.md): a Mac or a Windows
+"""The machines a learner has besides a Linux box with triton (the install page): a Mac or a Windows
 box, where PyPI has no triton and worker processes start by spawn, and Apple's MPS. We have neither
 here: these tests stand in for them (triton made unimportable, spawn forced, the device checks
-stubbed) and docs/install.md says what that does and does not show."""
+stubbed), and the install page says what that does and does not show."""
 import multiprocessing
 import os
 import subprocess
