@@ -56,9 +56,9 @@ for v in "${versions[@]}"; do
   (. "$venv/bin/activate" && python -m pytest -q -m "not slow" -n auto --dist loadfile) 2>&1 | tee "$log"
   code=${PIPESTATUS[0]}
   [[ $code -eq 0 ]] || status=1
-  result=$(tail -1 "$log" | tr -d '=')
+  result=$(tail -1 "$log" | tr -d '=' | sed 's/^ *//; s/ *$//')
   times="install $(took $((installed - start))), tests $(took $((SECONDS - installed)))"
-  summary+=("Python $stack:$result ($times)")
+  summary+=("Python $stack: $result ($times)")
 done
 printf '%s\n' "${summary[@]}"
 exit $status
