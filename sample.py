@@ -11,6 +11,7 @@ from data.load import tokenizer_of
 from model import GPT
 from stepgpt.checkpoint import load_checkpoint
 from stepgpt.errors import UserError, run_cli
+from stepgpt.runtime import pick_device
 
 
 def sample_text(model, meta, prompt, max_new_tokens, temperature=0.8, top_k=200, seed=0, num_samples=1,
@@ -43,7 +44,8 @@ def main(argv):
     p.add_argument("--top_k", type=int, default=200, help="0 = no top-k filter")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA, then Apple's MPS, then the CPU), cpu, cuda, "
+                   "cuda:N or mps")
     a = p.parse_args(argv)
     for key in ("max_new_tokens", "num_samples"):
         if getattr(a, key) < 1:
@@ -51,9 +53,7 @@ def main(argv):
     if not 0 <= a.temperature < float("inf") or a.top_k < 0:
         raise UserError(f"--temperature {a.temperature} must be >= 0 (0: greedy) and --top_k {a.top_k} >= 0 "
                         f"(0: no filter)")
-    if a.device != "cpu" and not (a.device.startswith("cuda") and torch.cuda.is_available()):
-        raise UserError(f"--device {a.device}: use cpu" + (" or cuda" if torch.cuda.is_available() else
-                                                          " (CUDA is not available here)"))
+    device = pick_device(a.device, 0, ddp=False)
     prompt = a.prompt
     if prompt.startswith("FILE:"):
         try:
@@ -64,7 +64,7 @@ def main(argv):
     ckpt = load_checkpoint(a.ckpt)
     if not ckpt.get("meta"):
         raise UserError(f"{a.ckpt} records no tokenizer (meta); it was not written by train.py")
-    model = GPT.from_checkpoint(ckpt, a.ckpt).to(a.device)
+    model = GPT.from_checkpoint(ckpt, a.ckpt).to(device)
     print(sample_text(model, ckpt["meta"], prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed,
                       a.num_samples, ckpt.get("config", {}).get("data_dir")))   # the run's data folder
 

@@ -44,8 +44,8 @@ def get_batch(run, split, seed, index):
     (data/load.py: windows at random offsets of a token stream, or rows of documents, shuffled)."""
     x, y = sample_batch(run.data, split, run.cfg.batch_size, run.cfg.block_size, seed, index)
     if run.device.type == "cuda":
-        x, y = (t.pin_memory().to(run.device, non_blocking=True) for t in (x, y))
-    return x, y
+        return tuple(t.pin_memory().to(run.device, non_blocking=True) for t in (x, y))
+    return x.to(run.device), y.to(run.device)   # MPS; on the CPU they are there
 
 
 def batch_seed(seed, split, it, micro):
@@ -152,7 +152,7 @@ def setup(cfg):
 
 
 def _setup(cfg, ddp, rank, local, world, lock, init):
-    device = runtime.device(cfg, local, ddp)
+    device = torch.device(runtime.pick_device(cfg.device, local, ddp))   # auto: CUDA, then MPS, then the CPU
     dtype, autocast, compiled = runtime.precision(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -279,6 +279,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="M=8192, r=16 only")
     parser.add_argument("--out", help="also write the results as markdown to this file")
     args = parser.parse_args()
+    if not frozen_lora.HAS_TRITON:
+        print("bench/kernels.py needs triton, which PyPI has for Linux only (pip install -r requirements.txt "
+              "there); without it every frozen linear runs the plain-PyTorch reference")
+        return 1
     if not HAS_CUDA:
         return run_cpu_check(args.out)
     run_gpu(args)

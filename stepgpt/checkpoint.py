@@ -159,6 +159,8 @@ def _rotate(folder, keep):
 
 
 def _fsync_dir(folder):
+    if os.name == "nt":   # Windows cannot open a folder to fsync it: the rename's durability is NTFS's
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -73,9 +73,9 @@ class TrainConfig(GPTConfig):
     beta2: float = 0.95
     grad_clip: float = 1.0              # 0: no clipping
     # system: how the run executes, not what it computes (checkpoint.RUNTIME_KEYS)
-    device: str = "auto"                # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"                 # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-    compile: bool = True                # torch.compile on CUDA
+    device: str = "auto"                # auto (CUDA, then Apple's MPS, then CPU) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"                 # auto (bf16 autocast on CUDA, else fp32) | float32 | bfloat16
+    compile: bool = True                # torch.compile on CUDA (never on MPS)
     compile_cpu: bool = False           # also on CPU (needs a C++ compiler): 12-18 % faster steps at
                                         # step_small, after ~40 s of compiling at each stage
     zero1: bool = False                 # shard the AdamW state over the ranks (ZeroRedundancyOptimizer)
@@ -123,8 +123,8 @@ class TrainConfig(GPTConfig):
                                   ("grow_at", 1e-12, 1.0000001, "(0, 1]: the share of a stage's budget")):
             if not lo <= getattr(self, key) < hi:
                 raise UserError(f"{key}={getattr(self, key)} must be in {what}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise UserError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
+            raise UserError(f"device={self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.optimizer == "adamw8bit" and (self.zero1 or self.relora_prune < 1):
             raise UserError("optimizer=adamw8bit: its moments are 8-bit blocks, so ZeRO-1 cannot shard them "
                             "and relora_prune cannot zero single entries; use zero1=False and "

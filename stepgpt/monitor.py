@@ -280,8 +280,9 @@ def describe(run):
     """The resolved config, once, and the planner's model-state bytes and step peak of each stage."""
     cfg, device = run.cfg, run.device
     peak = peak_flops(device)
-    off = "" if run.compiled or not cfg.compile else " (off on CPU: --compile_cpu=True)"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    off = ("" if run.compiled or not cfg.compile else " (off on MPS)" if device.type == "mps"
+           else " (off on CPU: --compile_cpu=True)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     bf16 = " (bf16 autocast, fp32 master weights)" if run.dtype == "bfloat16" else ""
     triton = kernels.use_triton(torch.empty(0, device=device))
     data = run.data
@@ -362,18 +363,24 @@ def is_out_of_memory(error):
                                                       str(error)) is not None)
 
 
+def ram_available():
+    """Bytes of RAM available now, from Linux's /proc/meminfo; None elsewhere (macOS and Windows have
+    neither the file nor os.sysconf's SC_AVPHYS_PAGES)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def device_memory(device):
     """What `device` has, in words: a GPU's total and free memory; the CPU's available RAM, and the
     address-space limit (ulimit -v, RLIMIT_AS) where one is set."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return f"the {fmt_bytes(total)} of {device} ({fmt_bytes(free)} free now)"
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    have = f"the {fmt_bytes(available)} of RAM available"
+    available = ram_available()
+    have = f"the {fmt_bytes(available)} of RAM available" if available is not None else "the machine's RAM"
     try:
         import resource   # Unix only
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]

@@ -5,6 +5,7 @@ lock is stepgpt/lock.py, checkpoints stepgpt/checkpoint.py, what a run prints an
 stepgpt/monitor.py."""
 import atexit
 import os
+import re
 import signal
 import threading
 import time
@@ -26,18 +27,6 @@ def ranks():
     if int(os.environ.get("RANK", -1)) == -1:
         return False, 0, 0, 1
     return (True,) + tuple(int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-
-
-def device(cfg, local, ddp):
-    """The run's device: cfg.device, where auto is this rank's GPU (cuda:LOCAL_RANK) or the CPU."""
-    name = cfg.device
-    if name == "auto":
-        name = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and ddp:
-        name = f"cuda:{local}"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={cfg.device} but CUDA is not available; use --device=cpu")
-    return torch.device(name)
 
 
 def check_world(cfg, world, data):
@@ -65,15 +54,49 @@ def check_world(cfg, world, data):
     raise UserError(f"{why}; {where}")
 
 
+def pick_device(name, local_rank, ddp):
+    """The torch device name of `device=name` for this process; auto: CUDA (this rank's GPU), then
+    Apple's MPS (as nanoGPT's --device=mps, the plain-PyTorch path), then the CPU."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", name):
+        raise UserError(f"device={name!r}: use auto, cpu, cuda, cuda:N or mps")
+    if name == "auto":
+        name = (f"cuda:{local_rank}" if torch.cuda.is_available()
+                else "mps" if torch.backends.mps.is_available() else "cpu")
+    elif name == "cuda" and ddp:
+        name = f"cuda:{local_rank}"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name} but CUDA is not available; use --device=cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device=mps but MPS is not available (Apple silicon, macOS 14 or later); "
+                        "use --device=cpu")
+    return name
+
+
 def precision(cfg, device):
     """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (train.py's runs and
     bench/step_time.py's timed steps alike). dtype=bfloat16 is bf16 autocast on CPU too: with
-    compile_cpu it runs a GPU run's precision and compilation on a CPU."""
+    compile_cpu it runs a GPU run's precision and compilation on a CPU. Compiled on CUDA, on the CPU
+    only when asked (compile_cpu) and a C++ compiler is there, never on MPS."""
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    return dtype, autocast, cfg.compile and (device.type == "cuda" or cfg.compile_cpu)
+    compiled = cfg.compile and (device.type == "cuda" or device.type == "cpu" and cfg.compile_cpu)
+    if compiled and device.type == "cpu" and not has_cpp_compiler():
+        print("compile_cpu=True: torch.compile needs a C++ compiler on the CPU (g++, clang++ or $CXX; MSVC "
+              "on Windows) and none was found; training eager", flush=True)
+        compiled = False
+    return dtype, autocast, compiled
+
+
+def has_cpp_compiler():
+    """Whether inductor finds the C++ compiler it builds CPU kernels with (its own search)."""
+    from torch._inductor import cpp_builder, exc
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return False
+    return True
 
 
 def start_group(cfg, device, decided):

@@ -36,6 +36,26 @@ def write_dataset(path, n_train=4000, n_val=800, vocab=100, seed=0, periodic=Tru
     return str(path)
 
 
+# A sitecustomize.py for subprocesses that stand in for a Mac or a Windows box: triton cannot be imported
+# (`import triton` fails and importlib.util.find_spec finds nothing, as where PyPI has no wheel of it)
+# and worker processes start by spawn. On PYTHONPATH it runs in every process the subprocess starts.
+NO_TRITON_SITE = """import multiprocessing
+import sys
+sys.modules["triton"] = None
+multiprocessing.set_start_method("spawn", force=True)
+"""
+
+
+def without_triton(folder):
+    """os.environ for a subprocess where triton cannot be imported and processes start by spawn
+    (NO_TRITON_SITE written into `folder`)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(NO_TRITON_SITE)
+    path = [str(folder)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def needs_interpreter():
     """Skip a test that runs the Triton kernels in Triton's interpreter where that cannot run here
     (triton 3.6's needs numpy < 2.4: stepgpt/kernels/frozen_lora.py says why)."""

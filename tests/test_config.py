@@ -86,7 +86,7 @@ def test_every_model_field_can_be_set_from_a_config():
     (["--rope_theta=-1"], "rope_theta"),
     (["--dtype=fp8"], "dtype='fp8': use one of"),
     (["--merge_rounding=up"], "merge_rounding"),
-    (["--device=tpu"], "device='tpu': use auto, cpu, cuda or cuda:N"),
+    (["--device=tpu"], "device='tpu': use auto, cpu, cuda, cuda:N or mps"),
     (["--frozen_layers=[0]"], "frozen_layers is set by the stages"),
     (["--n_embd=30", "--n_head=4"], "n_embd=30 must split into n_head=4 heads"),
     (["--init_from=nowhere.pt"], "init_from"),

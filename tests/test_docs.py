@@ -29,10 +29,13 @@ OTHER_FORM = {
     "python grow.py out-step-small --add 2 --init mean --where upper --out grown.pt":
         "tests/test_train.py::test_sample_grow_and_plan_clis: grow.py on a run folder, then trained from",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128":
-        "tests/test_style.py::test_the_cuda_requirements_leave_a_cuda_torchs_own_triton_pin_alone: the "
+        "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: the "
         "CUDA wheels' triton pins it relies on (the install needs the CUDA index)",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
+        "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: that "
+        "requirements.txt keeps a 2.13.0+cpu torch (the install needs PyTorch's index: CI cannot reach it)",
     "pip install -r requirements-cuda.txt":
-        "tests/test_style.py::test_the_cuda_requirements_leave_a_cuda_torchs_own_triton_pin_alone: the "
+        "tests/test_style.py::test_the_requirements_leave_triton_to_torchs_own_pin_on_linux_alone: the "
         "file's ranges against those pins",
 }
 

@@ -233,7 +233,7 @@ def test_out_of_memory_in_a_training_step_is_one_line(straight, tmp_path):
     train.main(RUN + [f"--data_dir={data}", f"--out_dir={out}", "--stop_at=6"])
     proc = subprocess.run([sys.executable, "-c", UNDER_1GIB, *RUN, f"--data_dir={data}", f"--out_dir={out}",
                            "--init_from=resume", "--batch_size=200000"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=HANG, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
     ckpt = os.path.join(out, "ckpt-00000006.pt")

@@ -35,7 +35,7 @@ from stepgpt import sharding
 from stepgpt.checkpoint import checkpoint_files, load_checkpoint
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
-from tests.helpers import ASKED, CRAFT, REFUSED_FILE, write_dataset
+from tests.helpers import ASKED, CRAFT, HANG, REFUSED_FILE, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -620,7 +620,7 @@ def python(args, out, *extra):
 
 
 def ok(cmd):
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -686,28 +686,37 @@ def test_an_fsdp_checkpoint_resumes_samples_grows_and_exports_on_one_process(doc
     the_tools_read(str(tmp / "fsdp"), tmp, capsys)
 
 
-# a train.py that sleeps after each step, so that a signal lands inside the run, not after its end
-SLOW_STEPS = (
-    "import sys, time\n"
+# a train.py whose ranks in PAUSE_RANKS pause before step PAUSE_AT + 1 (rank 0 has logged step PAUSE_AT)
+# until a signal reaches them or they are killed: the test's signal lands at that step however busy
+# the machine is
+PAUSED = (
+    "import os, sys, time\n"
     f"sys.path.insert(0, {ROOT!r})\n"
-    "import train\nfrom stepgpt import errors\n"
+    "import train\nfrom stepgpt import errors, runtime\n"
+    "at, ranks, signalled = int(os.environ['PAUSE_AT']), os.environ['PAUSE_RANKS'].split(','), []\n"
+    "handle = runtime.StopRequest.handle\n"
+    "def handled(self, *a):\n"
+    "    handle(self, *a)\n"
+    "    signalled.append(1)\n"
+    "runtime.StopRequest.handle = handled\n"
     "step = train.train_step\n"
-    "def slow(*a, **k):\n"
-    "    out = step(*a, **k)\n"
-    "    time.sleep(0.3)\n"
-    "    return out\n"
-    "train.train_step = slow\n"
+    "def paused(run, model, raw, opt, it):\n"
+    "    while it == at and os.environ['RANK'] in ranks and not signalled:\n"
+    "        time.sleep(0.01)\n"
+    "    return step(run, model, raw, opt, it)\n"
+    "train.train_step = paused\n"
     "errors.run_cli(train.main)\n")
 
 
-def _slow(tmp, command):
-    wrapper = tmp / "slow_steps.py"
-    wrapper.write_text(SLOW_STEPS)
+def _paused(tmp, command):
+    wrapper = tmp / "paused.py"
+    wrapper.write_text(PAUSED)
     return [str(wrapper) if a == "train.py" else a for a in command]
 
 
-def _start(cmd):
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(cmd, at, ranks):
+    env = {**os.environ, "PAUSE_AT": str(at), "PAUSE_RANKS": ",".join(map(str, ranks))}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _wait_for_step(proc, step):
@@ -736,12 +745,12 @@ def test_kill_minus_9_of_the_whole_job_mid_stage_then_resume_ends_bit_for_bit(do
     every tensor and AdamW moment bit for bit."""
     tmp, data, command, _, _ = docs_run
     out = tmp / "killed"
-    proc = _start(torchrun(_slow(tmp, command), out, f"--data_dir={data}"))
+    proc = _start(torchrun(_paused(tmp, command), out, f"--data_dir={data}"), at=9, ranks=[0, 1])
     _wait_for_step(proc, 9)
     for pid in [proc.pid, *_workers(proc).values()]:   # kill -9 of the whole job, at once
         os.kill(pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert load_checkpoint(str(out))["iter_num"] in (8, 10)   # mid stage 2 (steps 6-12)
+    proc.communicate(timeout=HANG)
+    assert load_checkpoint(str(out))["iter_num"] == 8   # mid stage 2 (steps 6-12)
     ok(torchrun(command, out, f"--data_dir={data}"))
     same_tensors(out, tmp / "fsdp", exact=True)
 

@@ -57,7 +57,7 @@ def test_bad_sampling_arguments_are_one_line_before_loading_anything():
 
 
 def test_an_unknown_device_is_one_line():
-    assert "device='tpu': use auto, cpu, cuda or cuda:N" in one_line_error(["train.py", "--device=tpu"])
+    assert "device='tpu': use auto, cpu, cuda, cuda:N or mps" in one_line_error(["train.py", "--device=tpu"])
 
 
 def test_a_second_run_into_a_live_out_dir_stops_at_once_and_a_killed_run_leaves_no_lock(tmp_path):

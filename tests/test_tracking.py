@@ -119,6 +119,11 @@ def wandb_records(run_folder):
     return records
 
 
+def wandb_run(run_folder):
+    """The run record of an offline run (its id, name, project), the first its log holds."""
+    return next(r.run for r in wandb_records(run_folder) if r.WhichOneof("record_type") == "run")
+
+
 def wandb_history(run_folder):
     """[{name: value, '_step': step}] of an offline run, without W&B's own _timestamp/_runtime."""
     rows = []
@@ -137,9 +142,12 @@ def test_wandb_offline_run_holds_the_metrics_and_a_resume_adds_no_step_twice(tmp
     out = capsys.readouterr().out
     assert out.count("wandb: offline (WANDB_MODE=offline)") == 2
     wandb_env.teardown()   # W&B's service writes the transaction log on after run.finish(); this ends it
-    folders = sorted(glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*")))
-    assert len(folders) == 2 and len({f.rsplit("-", 1)[1] for f in folders}) == 1   # one run id
-    run_id = folders[0].rsplit("-", 1)[1]
+    # the attempts in the order of their steps, the run id from their own records: W&B names a folder
+    # offline-run-<second>-<id>, and -<id>-1 when the resumed attempt starts in the first's second
+    folders = sorted(glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*")),
+                     key=lambda f: wandb_history(f)[0]["_step"])
+    assert len(folders) == 2 and len({wandb_run(f).run_id for f in folders}) == 1   # one run id
+    run_id = wandb_run(folders[0]).run_id
     assert load_checkpoint(str(tmp_path / "out"))["wandb_id"] == run_id
     first, second = (wandb_history(f) for f in folders)
     # W&B keeps what it was sent: the resumed attempt sends only the steps after 10, the last one
@@ -156,8 +164,8 @@ def test_wandb_offline_run_holds_the_metrics_and_a_resume_adds_no_step_twice(tmp
         assert got[name] == want[name], name       # bit for bit on CPU, the replayed 9 and 10 too
     for name in TIMED:
         assert sorted(got[name]) == sorted(want[name]) and got[name][12] == want[name][12]
-    runs = [r.run for r in wandb_records(folders[1]) if r.WhichOneof("record_type") == "run"]
-    assert runs[0].run_id == run_id and runs[0].display_name == "tiny" and runs[0].project == "step-gpt"
+    resumed = wandb_run(folders[1])
+    assert resumed.run_id == run_id and resumed.display_name == "tiny" and resumed.project == "step-gpt"
     config = {}
     for r in wandb_records(folders[1]):
         if r.WhichOneof("record_type") == "config":

@@ -24,7 +24,7 @@ from data.load import HFTokenizer, eval_batches, load_data, row_order, sample_ba
 from model import GPT
 from stepgpt.config import load_config
 from stepgpt.errors import UserError
-from tests.helpers import tiny_config
+from tests.helpers import HANG, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "yardstick.md")
@@ -452,7 +452,7 @@ TINY = {"vocab_size": 0, "n_layer": 2, "n_embd": 32, "n_head": 2, "ffn_hidden": 
 
 
 def run(argv, **kw):
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=HANG, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

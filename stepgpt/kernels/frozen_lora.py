@@ -325,8 +325,9 @@ def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, B
     tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# without triton the stand-in decorators leave plain functions: there is nothing autotuned to save or load
 AUTOTUNED = {"_lora_down_kernel": _lora_down_kernel, "_fwd_kernel": _fwd_kernel,
-             "_lora_bwd_kernel": _lora_bwd_kernel, "_dx_kernel": _dx_kernel}
+             "_lora_bwd_kernel": _lora_bwd_kernel, "_dx_kernel": _dx_kernel} if HAS_TRITON else {}
 CONFIGS = {"_lora_down_kernel": _DOWN_CONFIGS, "_fwd_kernel": _FWD_CONFIGS, "_lora_bwd_kernel": _BWD_CONFIGS,
            "_dx_kernel": _DX_CONFIGS}   # the full lists (AUTOTUNED's hold the first alone without a GPU)
 
