@@ -1,9 +1,10 @@
 r"""The true peak memory of training steps, measured from the allocator, beside the planner's
 prediction: vanilla against STEP with 2 and 3 stages, with and without activation checkpointing
-and the chunked loss.
+and the chunked loss, with 8-bit AdamW or Muon.
 
     python bench/peak_memory.py                              # config/step_small.py's model on CPU, ~3 min
     python bench/peak_memory.py --set batch_size=4 --only vanilla,step2
+    python bench/peak_memory.py --modes plain,muon           # AdamW against Muon (optimizer=muon), ~2 min
     python bench/peak_memory.py --meta config/step_350m.py,config/step_1b.py   # paper scale, seconds
     python bench/peak_memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
         --set batch_size=1
