@@ -61,10 +61,9 @@ def batch_seed(seed, split, it, micro):
 # optimisation
 
 def configure_optimizer(model, cfg, device, previous=None, carried=()):
-    """The optimizer over the trainable set: weight decay on matrices, lora_weight_decay on the adapters
-    (0 by default, as LoRA and ReLoRA), none on norms. AdamW, or what cfg.optimizer names (Muon on the
-    layers' matrices, 8-bit AdamW, GaLore; ZeRO-1: stepgpt/optim.py). At a new stage, the `carried`
-    parameters keep the state they had in `previous`, the last stage's optimizer."""
+    """AdamW (or cfg.optimizer's) over the trainable set: weight decay on matrices, lora_weight_decay on
+    the adapters (0 by default, as LoRA and ReLoRA), none on norms. At a new stage, the `carried` parameters
+    keep the state they had in `previous`, the last stage's optimizer."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n],
                "weight_decay": cfg.weight_decay},
@@ -72,7 +71,12 @@ def configure_optimizer(model, cfg, device, previous=None, carried=()):
               {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
-    return optim.build(model, groups, cfg, device, previous, carried, **kw)
+    if cfg.optimizer == "adamw" and not cfg.zero1:
+        opt = torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
+        opt.state.update({p: previous.state[p] for p in carried if p in previous.state})
+    else:   # Muon, 8-bit AdamW, GaLore, ZeRO-1 (stepgpt/optim.py), carrying `carried`'s state over too
+        opt = optim.build(model, groups, cfg, device, previous, carried, **kw)
+    return opt
 
 
 def get_lr(it, cfg, restarts, total):

@@ -62,8 +62,8 @@ class TrainConfig(GPTConfig):
     muon_adjust_lr: str = "original"    # original: lr * sqrt(max(1, rows/cols)) (Keller Jordan's) |
                                         # match_rms_adamw: lr * 0.2 * sqrt(max(rows, cols)) (Moonshot's
                                         # Moonlight: then muon_lr = learning_rate reuses AdamW's)
-    muon_adapters: bool = False         # Muon on the frozen layers' LoRA A and B too (measured worse at
-                                        # step_small: bench/RESULTS.md)
+    muon_adapters: bool = False         # Muon on the frozen layers' LoRA A and B too (bench/reproduce.py's
+                                        # step2-muon-lora row)
     galore_rank: int = 128
     galore_update_proj_gap: int = 200
     galore_scale: float = 0.25

@@ -207,7 +207,7 @@ def settings(world=8):
     """The model-state accountings the plan compares: (name, state_bytes keywords). The paper's
     (bf16 mixed precision) and ours: int8 frozen store with fp32 AdamW, with 8-bit AdamW
     (optimizer=adamw8bit), with ZeRO-1 over `world` ranks (zero1=True; per rank), and with Muon on
-    the layers' matrices (optimizer=muon), last: the one that changes training most."""
+    the layers' matrices (optimizer=muon)."""
     out = [("paper bf16", dict(accounting="bf16")), ("int8", dict(accounting="int8")),
            ("int8 + 8-bit AdamW", dict(accounting="int8", optimizer="adamw8bit"))]
     zero = [(f"int8 + ZeRO-1 / {world}", dict(accounting="int8", zero_world=world))]

@@ -212,3 +212,21 @@ def test_muons_state_in_eq_2_is_12_bytes_per_matrix_parameter():
     assert memory.state_bytes(cfg, 2, 1, optimizer="muon+lora") == adamw - 4 * (2 * weights + adapter)
     assert memory.state_bytes(cfg, 2, 1, optimizer="muon", zero_world=4) == \
         memory.state_bytes(cfg, 2, 1, zero_world=4) - 2 * weights
+
+
+def test_plan_prints_muons_rows_and_its_per_gpu_table_without_fsdp(capsys, monkeypatch):
+    """plan.py: the int8 + Muon rows below int8's, and a Muon run with zero1 gets the per-GPU table's
+    DDP and ZeRO-1 rows (Muon's state divided by the ranks), no FSDP row (refused)."""
+    import plan
+    monkeypatch.chdir(ROOT)
+    plan.main(["config/step_350m.py", "--stages", "2", "--world", "1"])
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.startswith("int8")}
+    int8, muon = (float(rows[name].split()[-6]) for name in ("int8", "int8 + Muon"))   # peak GiB
+    assert 0 < muon < int8
+    plan.main(["config/step_350m.py", "--optimizer=muon", "--zero1=True", "--world", "4", "--stages", "2"])
+    table = capsys.readouterr().out.split("per GPU on 4 ranks")[1]
+    settings = [line.split()[4] for line in table.splitlines()[2:] if line.strip()]   # stage, n + f, setting
+    assert settings == ["DDP", "ZeRO-1/4"] * 2 and "Muon+AdamW" in table
+    ddp, zero = ([float(x) for x in line.split()[5:8]] for line in table.splitlines()[2:4])
+    assert ddp[:2] == zero[:2] and zero[2] == pytest.approx(ddp[2] / 4, abs=0.01)
