@@ -144,21 +144,23 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(straight, tmp_path):
     same_final_state(straight[0] / "straight", out)
 
 
-def test_sigkill_of_a_muon_run_then_resume_is_bit_exact(straight, tmp_path):
-    """optimizer=muon (its momentum buffers in the checkpoint): killed at a step after the growth and
-    inside a checkpoint's write, resumed each time; it ends where the straight run ends, every tensor
-    and the optimizer state bit for bit."""
+def test_sigterm_and_sigkill_of_a_muon_run_then_resume_is_bit_exact(straight, tmp_path):
+    """optimizer=muon (its momentum buffers in the checkpoint): SIGTERM at step 9 (saved, exit 0), then
+    killed at a step after the growth and inside a checkpoint's write, resumed each time; it ends
+    where the straight run ends, every tensor and the optimizer state bit for bit."""
     _, data = straight
     muon = ["--optimizer=muon"]
     train.main(RUN + muon + [f"--data_dir={data}", f"--out_dir={tmp_path / 'straight'}"])
     out = tmp_path / "out"
     size = os.path.getsize(checkpoint_files(str(tmp_path / "straight"))[0])
-    for at in (dict(step=23), dict(save=size // 3)):
+    for sig, at in ((signal.SIGTERM, dict(step=9)), (signal.SIGKILL, dict(step=23)),
+                    (signal.SIGKILL, dict(save=size // 3))):
         proc = paused(out, data, tmp_path, muon, **at)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        proc.kill()
-        proc.communicate()
-    assert any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the second kill landed inside a write
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=HANG)
+        assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), err[-3000:]
+    assert any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the last kill landed inside a write
     proc = start(out, data, "train.py", extra=muon)
     _, err = proc.communicate(timeout=HANG)
     assert proc.returncode == 0, err
