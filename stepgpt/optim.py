@@ -59,10 +59,11 @@ def _build(model, groups, cfg, device, **kw):
                            no_deprecation_warning=True, **kw)
     fused, kind = device.type == "cuda", torch.optim.AdamW
     if cfg.optimizer == "muon":
-        # Muon's step is lr * lr_scale; its weight decay shrinks by lr * weight_decay per step as AdamW's
         scale = cfg.muon_lr / cfg.learning_rate
-        muon = lambda g: {"muon": True, "lr_scale": scale, "weight_decay": g["weight_decay"] / scale,  # noqa: E731
-                          "momentum": cfg.muon_momentum, "adjust_lr_fn": cfg.muon_adjust_lr}
+
+        def muon(g):   # steps at lr * lr_scale; the weights shrink by lr * weight_decay a step, as AdamW's
+            return {"muon": True, "lr_scale": scale, "weight_decay": g["weight_decay"] / scale,
+                    "momentum": cfg.muon_momentum, "adjust_lr_fn": cfg.muon_adjust_lr}
         groups, kind = split_groups(groups, hidden_matrices(model, cfg.muon_adapters), muon), MuonAdamW
     if cfg.zero1 and dist.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=kind, fused=fused, **kw)
@@ -85,7 +86,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 self.parts.append((muon, kind(mine, **kw)))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self):
         for muon, opt in self.parts:
             opt.state = self.state   # the one state (a resume's load_state_dict replaces self.state)
             for ours, theirs in zip([g for g in self.param_groups if g["muon"] == muon], opt.param_groups):
