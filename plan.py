@@ -84,8 +84,8 @@ def plan_table(args, config):
             print(f"{name:<22} {k:>2}  {str(layers):<18} {' '.join(f'{m / gib:.2f}' for m in mem):<30} "
                   f"{peak / gib:8.2f}  {-100 * (1 - peak / vanilla):9.1f}%  {-100 * (1 - peak / same):23.1f}%"
                   f"  {full}")
-    if args.budget:
-        choices = [c for c in settings(args.world) if c[0] != "paper bf16"]
+    if args.budget:   # Muon is not picked: 8-bit AdamW holds less at the same K and changes training less
+        choices = [c for c in settings(args.world) if c[0] not in ("paper bf16", "int8 + Muon")]
         k, name, layers, peak = smallest_plan(cfg, target, args.budget, choices, train_embeddings=emb,
                                               layers_only=only)
         keys = {"int8": "", "int8 + 8-bit AdamW": " --optimizer=adamw8bit"}.get(
@@ -100,21 +100,25 @@ def plan_table(args, config):
 def sharded_table(tcfg, cfg, layers, world, gpu_gb):
     """What each of `world` GPUs holds in each stage of the run as configured (its stages, micro-batch
     and activation keys; bf16 autocast) under DDP, ZeRO-1 and FSDP, all three with fp32 AdamW state
-    (the one optimizer ZeRO-1 and FSDP shard here)."""
+    (the one optimizer ZeRO-1 and FSDP shard here), or with optimizer=muon under DDP and ZeRO-1 (FSDP
+    refuses Muon)."""
     gib, budget = 2**30, 0.9 * gpu_gb * 1e9
     act = dict(checkpointing=tcfg.activation_checkpointing, loss_chunk=tcfg.loss_chunk, dtype="bfloat16")
-    print(f"\nper GPU on {world} ranks, GiB (AdamW fp32 state, bf16 autocast, micro-batch {tcfg.batch_size} "
-          f"x {tcfg.block_size}, activation_checkpointing={tcfg.activation_checkpointing}, loss_chunk="
-          f"{tcfg.loss_chunk}); a {gpu_gb:g} GB GPU keeps 10 % free below {budget / gib:.1f} GiB")
-    print(f"{'stage':<6} {'layers':<10} {'setting':<10} {'weights':>8} {'grads':>8} {'AdamW':>8} "
+    opt = planned_optimizer(tcfg) if tcfg.optimizer == "muon" else "adamw"
+    label = "AdamW" if opt == "adamw" else "Muon+AdamW"
+    print(f"\nper GPU on {world} ranks, GiB ({label} fp32 state, bf16 autocast, micro-batch "
+          f"{tcfg.batch_size} x {tcfg.block_size}, activation_checkpointing={tcfg.activation_checkpointing}, "
+          f"loss_chunk={tcfg.loss_chunk}); a {gpu_gb:g} GB GPU keeps 10 % free below {budget / gib:.1f} GiB")
+    print(f"{'stage':<6} {'layers':<10} {'setting':<10} {'weights':>8} {'grads':>8} {label:>8} "
           f"{'state':>8} {'step peak':>10}  fits")
     frozen = 0
     for i, n in enumerate(layers):
         emb = tcfg.train_embeddings or frozen == 0
-        for mode in ("ddp", "zero1", "fsdp"):
-            parts = sharded_state(cfg, n, frozen, world, mode, emb)
+        for mode in ("ddp", "zero1") + ("fsdp",) * (opt == "adamw"):
+            parts = sharded_state(cfg, n, frozen, world, mode, emb, optimizer=opt)
             shard = {"zero1": dict(zero_world=world), "fsdp": dict(fsdp_world=world)}.get(mode, {})
-            peak = step_peak_bytes(cfg, n, frozen, tcfg.batch_size * tcfg.block_size, emb, **act, **shard)
+            peak = step_peak_bytes(cfg, n, frozen, tcfg.batch_size * tcfg.block_size, emb, **act, **shard,
+                                   optimizer=opt)
             name = {"ddp": "DDP", "zero1": f"ZeRO-1/{world}", "fsdp": f"FSDP/{world}"}[mode]
             print(f"{i + 1:<6} {f'{n} + {frozen}':<10} {name:<10} "
                   + " ".join(f"{b / gib:8.2f}" for b in (*parts, sum(parts)))

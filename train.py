@@ -60,8 +60,8 @@ def batch_seed(seed, split, it, micro):
 # optimisation
 
 def configure_optimizer(model, cfg, device, previous=None, carried=()):
-    """AdamW over the trainable set: weight decay on matrices, lora_weight_decay on the adapters
-    (0 by default, as LoRA and ReLoRA), none on norms. At a new stage, the `carried` parameters
+    """AdamW (or cfg.optimizer's) over the trainable set: weight decay on matrices, lora_weight_decay on
+    the adapters (0 by default, as LoRA and ReLoRA), none on norms. At a new stage, the `carried` parameters
     keep the state they had in `previous`, the last stage's optimizer."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if p.dim() >= 2 and "lora_" not in n],
@@ -73,7 +73,7 @@ def configure_optimizer(model, cfg, device, previous=None, carried=()):
     if cfg.optimizer == "adamw" and not cfg.zero1:
         opt = torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
         opt.state.update({p: previous.state[p] for p in carried if p in previous.state})
-    else:   # 8-bit AdamW, GaLore, ZeRO-1; each carries the state of `carried` over from `previous` too
+    else:   # Muon, 8-bit AdamW, GaLore, ZeRO-1 (stepgpt/optim.py), carrying `carried`'s state over too
         opt = optim.build(model, groups, cfg, device, previous, carried, **kw)
     return opt
 

@@ -1,9 +1,10 @@
 r"""The true peak memory of training steps, measured from the allocator, beside the planner's
 prediction: vanilla against STEP with 2 and 3 stages, with and without activation checkpointing
-and the chunked loss.
+and the chunked loss, with 8-bit AdamW or Muon.
 
     python bench/peak_memory.py                              # config/step_small.py's model on CPU, ~3 min
     python bench/peak_memory.py --set batch_size=4 --only vanilla,step2
+    python bench/peak_memory.py --modes plain,muon           # AdamW against Muon (optimizer=muon), ~2 min
     python bench/peak_memory.py --meta config/step_350m.py,config/step_1b.py   # paper scale, seconds
     python bench/peak_memory.py --device cuda --config config/step_1b.py --modes plain,ckpt+chunk \
         --set batch_size=1
@@ -53,7 +54,8 @@ from stepgpt.errors import UserError, run_cli
 RUNS = ("vanilla", "step2", "step3")   # the config's final depth trained in 1, 2 or 3 planned stages
 MODES = {"plain": [], "ckpt": ["--activation_checkpointing=True"], "chunk": ["--loss_chunk=256"],
          "ckpt+chunk": ["--activation_checkpointing=True", "--loss_chunk=256"],
-         "adamw8bit": ["--optimizer=adamw8bit"]}   # needs bitsandbytes
+         "adamw8bit": ["--optimizer=adamw8bit"],   # needs bitsandbytes
+         "muon": ["--optimizer=muon"]}
 
 
 def cpu_memory_timeline(fn):
@@ -193,7 +195,7 @@ def meta_table(configs):
     print("| config | optimizer | stage | layers (trainable + frozen) | planned state GiB "
           "| meta-device state GiB | meta - planned | RoPE tables |")
     print("|---|---|---|---|---|---|---|---|")
-    optimizers = ["adamw"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
+    optimizers = ["adamw", "muon"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
     for path in configs:
         for optimizer in optimizers:
             tcfg = load_config([path, f"--optimizer={optimizer}"])
@@ -204,11 +206,11 @@ def meta_table(configs):
             for stage, n, f in rows:
                 mc = grow.model_config(tcfg, n + f, vocab)
                 planned = memory.state_bytes(mc, n, f, train_embeddings=tcfg.train_embeddings or f == 0,
-                                             optimizer=optimizer)
+                                             optimizer=memory.planned_optimizer(tcfg))
                 held, rope = meta_state(tcfg, vocab, n, f)
                 print(f"| {os.path.basename(path)} | {optimizer} | {stage} | {n} + {f} | {gib(planned)} | "
                       f"{gib(held)} | {held - planned:,} B | {rope:,} B |", flush=True)
-    if len(optimizers) == 1:
+    if "adamw8bit" not in optimizers:
         print("(no adamw8bit rows: pip install bitsandbytes==0.50.2)")
 
 
@@ -218,7 +220,7 @@ def predict(cfg, row, device):
         row["n_trainable"], row["n_frozen"], row["tokens"],
         train_embeddings=cfg.train_embeddings or row["n_frozen"] == 0,
         checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
-        optimizer=cfg.optimizer, dtype="bfloat16" if device == "cuda" else "float32")
+        optimizer=memory.planned_optimizer(cfg), dtype="bfloat16" if device == "cuda" else "float32")
 
 
 def _rank(rank, world, port, args, out):
@@ -315,7 +317,7 @@ def main(argv):
                 mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
                 state = memory.state_bytes(mc, r["n_trainable"], r["n_frozen"],
                                            train_embeddings=cfg.train_embeddings or r["n_frozen"] == 0,
-                                           optimizer=cfg.optimizer)
+                                           optimizer=memory.planned_optimizer(cfg))
                 planned = predict(cfg, r, a.device) if r["phase"] == "step" else None
                 err = f"{(r['peak'] - planned) / planned:+.1%}" if planned else "-"
                 print(f"| {name} | {mode} | {r['stage'] + 1} {r['phase']} | "

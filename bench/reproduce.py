@@ -32,6 +32,7 @@ if __name__ == "__main__":   # a script: imports resolve in the repository, not 
 import grow
 from bench.peak_memory import measure
 from data.load import padded_vocab
+from stepgpt import memory
 from stepgpt.checkpoint import checkpoint_files
 from stepgpt.config import load_config
 from stepgpt.errors import UserError, run_cli
@@ -80,6 +81,16 @@ def grid(base, tokens):
              {**step2, "lora_weight_decay": base.weight_decay}),
             ("step2-grow75", "STEP-2, growth at 75 % of each stage's budget (the paper's timing)",
              {**step2, "grow_at": 0.75})]
+    # Muon (torch.optim.Muon) on the trained layers' matrices, AdamW as above on the rest; its lr
+    # swept around Keller Jordan's 0.02 on seed 1, then a second seed at the base's muon_lr
+    for name, what, o in (("vanilla", "vanilla", vanilla), ("step2", "STEP-2", step2)):
+        muon = {**o, "optimizer": "muon"}
+        runs += [(f"{name}-muon-s1", f"{what}, Muon (muon_lr {base.muon_lr:g})", muon),
+                 (f"{name}-muon-s2", f"{what}, Muon, second seed", {**muon, "seed": base.seed + 1})]
+        runs += [(f"{name}-muon-lr{lr:g}", f"{what}, Muon at muon_lr {lr:g}", {**muon, "muon_lr": lr})
+                 for lr in (base.muon_lr / 2, base.muon_lr * 2)]
+    runs += [("step2-muon-lora", "STEP-2, Muon on the adapters too", {**step2, "optimizer": "muon",
+                                                                      "muon_adapters": True})]
     return [(name, what, {"grow_where": base.grow_where, **o}) for name, what, o in runs]
 
 
@@ -90,11 +101,12 @@ def argv_of(base_path, overrides, out_dir, evals):
 
 
 def planned_state(args, data_vocab):
-    """The planner's model-state bytes of the run's peak stage."""
+    """The planner's model-state bytes of the run's peak stage (its optimizer's state)."""
     cfg = load_config(args)
     layers, _ = grow.stage_plan(cfg, padded_vocab(data_vocab), 1)
     final = grow.model_config(cfg, sum(layers), padded_vocab(data_vocab))
-    return max(grow.stage_memory(final, layers, train_embeddings=cfg.train_embeddings))
+    return max(grow.stage_memory(final, layers, memory.state_bytes, train_embeddings=cfg.train_embeddings,
+                                 optimizer=memory.planned_optimizer(cfg)))
 
 
 def read_metrics(out_dir):
@@ -197,9 +209,12 @@ def plot(rows, path):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     for i, r in enumerate(rows):
         (x, y), c = zip(*r["val_curve"]), f"C{i % 10}"
-        style = ("-" if r["name"].startswith(("vanilla", "step2-s"))
+        muon = "-muon" in r["name"]   # Muon's runs marked x, its lr sweep dash-dotted
+        style = ("-." if "-lr" in r["name"] else "--" if muon
+                 else "-" if r["name"].startswith(("vanilla", "step2-s"))
                  else "--" if r["name"].startswith("step2-") else "-.")
-        ax.plot(x, y, style, color=c, marker=".", label=f"{r['name']} ({r['final_val']:.3f})")
+        ax.plot(x, y, style, color=c, marker="x" if muon else ".",
+                label=f"{r['name']} ({r['final_val']:.3f})")
         for s in r["stage_starts"]:
             ax.axvline(s, color=c, alpha=0.35, linestyle=":")
     finals = [r["final_val"] for r in rows]

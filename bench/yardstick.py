@@ -1,17 +1,19 @@
 """The field's yardstick, LLaMA 60M-1B pre-trained on C4 as GaLore's Table 2 was made, vanilla and
-STEP side by side (config/c4_*.py): each run's plan and the time it needs, the grid that runs them,
-and the table of what they reached beside the published numbers (docs/yardstick.md).
+STEP side by side, each also with Muon (config/c4_*.py): each run's plan and the time it needs, the
+grid that runs them, and the table of what they reached beside the published numbers
+(docs/yardstick.md).
 
-    python bench/yardstick.py --plan                 # stages, memory, FLOPs and hours of the eight configs
-    python bench/yardstick.py                        # the grid, 60M first (vanilla, then STEP): one GPU
+    python bench/yardstick.py --plan                 # stages, memory, FLOPs and hours of the 16 configs
+    python bench/yardstick.py                        # the grid, 60M first (vanilla, STEP, their Muon twins)
     python bench/yardstick.py --only c4_60m,c4_step_60m --launcher "torchrun --standalone --nproc_per_node=8"
 
 --plan: each config's stages (Eq. 3), its model state and planned step peak per stage (the numbers
 `python plan.py CONFIG` prints, bf16 autocast at the config's micro-batch), the training FLOPs per
 token of each stage's model (model.estimate_flops: 6 per trainable weight, 4 per frozen one, plus
 attention), and the hours the steps and evaluations take at a stated MFU of a stated GPU's peak
-(--mfu, --gpu). Evaluations count as forward passes (a third of a vanilla step's FLOPs) over
-eval_tokens tokens, padding not counted, and eval_iters training batches.
+(--mfu, --gpu), with Muon's Newton-Schulz (once a step) for the Muon twins. Evaluations count as
+forward passes (a third of a vanilla step's FLOPs) over eval_tokens tokens, padding not counted, and
+eval_iters training batches.
 
 The grid: every run is `train.py config/c4_NAME.py` with its own out_dir under --out (and the
 --set overrides of every run). A run that reached its last step leaves result.json and is skipped
@@ -43,7 +45,7 @@ from stepgpt.errors import UserError, run_cli
 from stepgpt.monitor import PEAK_FLOPS, perplexity, read_metrics
 
 SIZES = ("60m", "130m", "350m", "1b")
-CONFIGS = [f"c4_{kind}{size}" for size in SIZES for kind in ("", "step_")]
+CONFIGS = [f"c4_{kind}{size}" for size in SIZES for kind in ("", "step_", "muon_", "step_muon_")]
 # validation perplexity on C4 after the recipe of config/c4_*.py (GaLore, ICML 2024, Table 2; Fira and
 # APOLLO-Mini report on the same setting): 60M, 130M, 350M, 1B
 PUBLISHED = {"Full-rank Adam (GaLore, Table 2)": (34.06, 25.08, 18.80, 15.56),
@@ -70,6 +72,12 @@ def stage_flops(tcfg, vocab, depth, frozen):
         return GPT(cfg).estimate_flops()
 
 
+def newton_schulz_flops(shapes, steps=5):
+    """torch.optim.Muon's orthogonalisation of each (rows, cols) matrix, m x n with m the smaller side:
+    per iteration X X^T (2 m^2 n), the Gram matrix squared (2 m^3) and its product with X (2 m^2 n)."""
+    return sum(steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for a, b in shapes)
+
+
 def plan_row(name, mfu, peak_flops):
     """-> the --plan table's cells of one config."""
     tcfg = load(name)
@@ -83,6 +91,10 @@ def plan_row(name, mfu, peak_flops):
     peaks = memory.configured_peaks(tcfg, final, layers, "bfloat16")
     flops = [stage_flops(tcfg, vocab, d, d - n) for d, n in zip(depth, layers)]
     train = sum(n * per_iter * f for n, f in zip(iters, flops))
+    if tcfg.optimizer == "muon":   # Newton-Schulz, once a step, on each stage's Muon matrices
+        opt = memory.planned_optimizer(tcfg)
+        train += sum(n * newton_schulz_flops(memory.muon_shapes(final, k, d - k, opt == "muon+lora"))
+                     for n, k, d in zip(iters, layers, depth))
     evals = sum(iters) // tcfg.eval_interval + 1
     eval_tokens = tcfg.eval_tokens + tcfg.eval_iters * tcfg.batch_size * tcfg.block_size
     forward = stage_flops(tcfg, vocab, depth[-1], 0) / 3   # a forward pass: a third of a vanilla step
@@ -97,15 +109,17 @@ def plan_row(name, mfu, peak_flops):
 def plan_table(names, mfu, gpu):
     peak_flops = PEAK_FLOPS[gpu]
     lines = [f"At {100 * mfu:.0f} % MFU of one {gpu} ({peak_flops / 1e12:.0f} TFLOP/s dense bf16); "
-             f"8 GPUs at the same MFU take an eighth. Per stage: model state (int8 accounting, fp32 AdamW), "
-             f"planned bf16 step peak at the config's micro-batch, training FLOPs per token.", "",
+             f"8 GPUs at the same MFU take an eighth. Per stage: model state (int8 accounting, fp32 AdamW, "
+             f"or Muon's one fp32 buffer on the layers' matrices), planned bf16 step peak at the config's "
+             f"micro-batch (vs vanilla: the peak against the AdamW vanilla run's), training FLOPs per token.",
+             "",
              "| config | parameters | layers per stage | steps per stage | model state GiB | step peak GiB "
              "| vs vanilla | MFLOPs/token | tokens | hours, 1 GPU | hours, 8 GPUs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     vanilla = {}
     for name in names:
         cells, peak = plan_row(name, mfu, peak_flops)
-        if "step_" not in name:
+        if name == f"c4_{size_of(name)}":   # the published recipe, AdamW
             vanilla[size_of(name)] = peak
         base = vanilla.get(size_of(name))
         cells.insert(6, f"{peak / base:.2f}x" if base else "-")

@@ -56,7 +56,17 @@ class TrainConfig(GPTConfig):
     merge_rounding: str = "nearest"     # nearest | stochastic: how a merge re-quantises W + s*B*A
     # optimisation
     optimizer: str = "adamw"            # adamw (fp32 state) | adamw8bit (bitsandbytes: blockwise 8-bit
-                                        # moments) | galore (galore-torch: GaLore's AdamW on the layers)
+                                        # moments) | galore (galore-torch: GaLore's AdamW on the layers) |
+                                        # muon (torch.optim.Muon on the trained layers' matrices, one fp32
+                                        # buffer each; AdamW on embeddings, head, norms, adapters)
+    muon_lr: float = 0.02               # Muon's peak lr (Keller Jordan's Muon); the schedule's shape is
+                                        # learning_rate's, scaled by muon_lr / learning_rate
+    muon_momentum: float = 0.95         # Muon's momentum (Nesterov), as Keller Jordan's and torch's
+    muon_adjust_lr: str = "original"    # original: lr * sqrt(max(1, rows/cols)) (Keller Jordan's) |
+                                        # match_rms_adamw: lr * 0.2 * sqrt(max(rows, cols)) (Moonshot's
+                                        # Moonlight: then muon_lr = learning_rate reuses AdamW's)
+    muon_adapters: bool = False         # Muon on the frozen layers' LoRA A and B too (bench/reproduce.py's
+                                        # step2-muon-lora row)
     galore_rank: int = 128
     galore_update_proj_gap: int = 200
     galore_scale: float = 0.25
@@ -111,14 +121,21 @@ class TrainConfig(GPTConfig):
         for key in ("sync_check_every", "loss_chunk", "warmup_iters", "stage_warmup_iters", "relora_every",
                     "stop_at", "sample_tokens", "target_layers", "max_iters", "min_lr", "weight_decay",
                     "lora_weight_decay", "grad_clip", "learning_rate", "galore_scale", "eval_tokens",
-                    "dist_timeout"):
-            v, positive = getattr(self, key), key in ("learning_rate", "galore_scale", "dist_timeout")
+                    "dist_timeout", "muon_lr"):
+            v = getattr(self, key)
+            positive = key in ("learning_rate", "galore_scale", "dist_timeout", "muon_lr")
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise UserError(f"{key}={v} must be a finite number {'> 0' if positive else '>= 0'}")
+        named = [o for o in CHOICES["optimizer"] if o in re.split(r"[^a-z0-9]+", str(self.optimizer).lower())]
+        if len(named) > 1:   # e.g. muon+adamw8bit
+            raise UserError(f"optimizer={self.optimizer!r}: one optimizer per run, of {', '.join(named)} "
+                            f"(Muon takes fp32 AdamW for the rest; Muon with 8-bit or GaLore state is not "
+                            f"built)")
         for key, options in CHOICES.items():
             if getattr(self, key) not in options:
                 raise UserError(f"{key}={getattr(self, key)!r}: use one of {', '.join(options)}")
         for key, lo, hi, what in (("beta1", 0, 1, "[0, 1), e.g. 0.9"), ("beta2", 0, 1, "[0, 1), e.g. 0.95"),
+                                  ("muon_momentum", 0, 1, "[0, 1), e.g. 0.95"),
                                   ("relora_prune", 0, 1.0000001, "[0, 1]"),
                                   ("grow_at", 1e-12, 1.0000001, "(0, 1]: the share of a stage's budget")):
             if not lo <= getattr(self, key) < hi:
@@ -132,6 +149,9 @@ class TrainConfig(GPTConfig):
         if self.fsdp and self.zero1:
             raise UserError("fsdp=True shards the AdamW state already (with the weights and gradients); "
                             "zero1=True is DDP's optimizer sharding: use one of them")
+        if self.fsdp and self.optimizer == "muon":
+            raise UserError("optimizer=muon orthogonalises each matrix whole, which fsdp=True shards by "
+                            "rows: train it with DDP (zero1=True shards its state by whole tensors)")
         if self.fsdp and (self.optimizer != "adamw" or self.relora_prune < 1):
             raise UserError(f"fsdp=True runs optimizer=adamw with relora_prune=1 (optimizer="
                             f"{self.optimizer!r} and relora_prune={self.relora_prune} need whole tensors)")
@@ -177,8 +197,9 @@ class TrainConfig(GPTConfig):
 
 INITS = ("auto", "scratch", "resume", "resume_previous")
 CHOICES = {"dtype": ("auto", "float32", "bfloat16"), "merge_rounding": ("nearest", "stochastic"),
-           "optimizer": ("adamw", "adamw8bit", "galore"), "grow_init": grow.INITS,
-           "grow_where": grow.PLACEMENTS, "fsdp_checkpoint": ("auto", "gathered", "sharded")}
+           "optimizer": ("adamw", "adamw8bit", "galore", "muon"), "grow_init": grow.INITS,
+           "grow_where": grow.PLACEMENTS, "fsdp_checkpoint": ("auto", "gathered", "sharded"),
+           "muon_adjust_lr": ("original", "match_rms_adamw")}
 def _coerce(key, value, default):
     if isinstance(default, bool) or not isinstance(default, (int, float)):
         seq = (list, tuple)

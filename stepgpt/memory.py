@@ -1,4 +1,4 @@
-"""The memory model beyond the paper's Eq. 1-3 (grow.py): 8-bit AdamW state, ZeRO-1, the
+"""The memory model beyond the paper's Eq. 1-3 (grow.py): Muon's and 8-bit AdamW's state, ZeRO-1, the
 activations autograd saves, the peak of a whole training step, the cheapest plan under a budget.
 plan.py prints them for a config.
 
@@ -33,17 +33,39 @@ def adamw8bit_state_bytes(numel):
     return 2 * numel + 2 * 4 * math.ceil(numel / ADAMW8BIT_BLOCK)
 
 
+def muon_shapes(cfg, n_trainable, n_frozen, adapters=False):
+    """The (rows, cols) of the matrices optimizer=muon gives torch.optim.Muon (stepgpt/optim.py's
+    hidden_matrices): the trainable layers' seven linear weights, and with adapters (muon_adapters)
+    the frozen layers' LoRA A (r, in) and B (out, r); the rest (embeddings, head, norms) takes AdamW."""
+    shapes = grow.layer_shapes(cfg)
+    adapter = [(cfg.lora_rank, k) for _, k in shapes] + [(n, cfg.lora_rank) for n, _ in shapes]
+    return shapes * n_trainable + (adapter * n_frozen if adapters and cfg.lora_rank else [])
+
+
+def muon_step_bytes(shapes):
+    """torch.optim.Muon's temporaries, one matrix at a time: the Nesterov update in fp32 (4 B an
+    entry), its bf16 copy and the next Newton-Schulz iterate (2 + 2 B), the Gram matrix and its
+    polynomial (2 x 2 B an entry of the smaller side squared); the largest matrix sets the peak (the
+    profiler's record of a step: 8 rows x cols + 4 min(rows, cols)^2 B exactly, at 512 x 192)."""
+    return max((8 * a * b + 4 * min(a, b) ** 2 for a, b in shapes), default=0)
+
+
 def state_bytes(cfg, n_trainable=None, n_frozen=None, accounting="int8", train_embeddings=True,
                 layers_only=False, zero_world=1, optimizer="adamw"):
     """grow.state_bytes with the optimizer's state as it is run: with zero_world > 1 per rank under
     ZeRO-1 (about: ZeRO shards whole tensors, so the ranks' shares differ a little);
-    optimizer="adamw8bit" (our int8 accounting only): fp32 weight and gradient, 8-bit moments."""
+    optimizer="adamw8bit" (our int8 accounting only): fp32 weight and gradient, 8-bit moments;
+    optimizer="muon" ("muon+lora": muon_adapters=True): Muon's one fp32 momentum buffer (4 B) instead
+    of AdamW's two moments (8 B) on the muon_shapes, in either accounting (12 B per such parameter in
+    all, as Eq. 1-2 count it: 2 + 2 + 4 master + 4 momentum in the paper's mixed precision)."""
     if n_frozen is None:
         n_frozen = len(cfg.frozen_layers)
         n_trainable = cfg.n_layer - n_frozen
     args = (cfg, n_trainable, n_frozen, accounting, train_embeddings, layers_only)
-    if optimizer != "adamw8bit":
-        return grow.state_bytes(*args, per_trainable=trainable_bytes(accounting, zero_world))
+    if optimizer in ("adamw", "muon", "muon+lora"):
+        muon = [a * b for a, b in muon_shapes(cfg, n_trainable, n_frozen, optimizer == "muon+lora")]
+        adamw = grow.state_bytes(*args, per_trainable=trainable_bytes(accounting, zero_world))
+        return int(adamw - 4 * sum(muon) * (optimizer != "adamw") / zero_world)
     if accounting != "int8" or zero_world != 1:
         raise ValueError("adamw8bit is counted in the int8 accounting, without ZeRO-1 (train.py refuses "
                          "both)")
@@ -93,16 +115,19 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     return int(tokens * per_token)
 
 
-def sharded_state(cfg, n_trainable, n_frozen, world, mode, train_embeddings=True):
-    """-> (weights, gradients, AdamW state) bytes per rank, in our int8 accounting with fp32 AdamW
+def sharded_state(cfg, n_trainable, n_frozen, world, mode, train_embeddings=True, optimizer="adamw"):
+    """-> (weights, gradients, optimizer state) bytes per rank, in our int8 accounting with fp32 AdamW
     (4 + 4 + 8 B per trainable parameter; the frozen store as stored, no gradient, no state) on
-    `world` ranks: mode "ddp" (every rank holds all of it), "zero1" (the AdamW state divided over
+    `world` ranks: mode "ddp" (every rank holds all of it), "zero1" (the optimizer state divided over
     the ranks) or "fsdp" (all three divided: FSDP2 shards every tensor by rows, the int8 store too;
-    a shard is within a row of 1/world)."""
+    a shard is within a row of 1/world). optimizer "muon" ("muon+lora"): 4 B of state on Muon's
+    matrices (DDP and ZeRO-1: train.py refuses Muon under FSDP)."""
     trainable = sum(grow.trainable_tensors(cfg, n_trainable, n_frozen, train_embeddings))
     weights = grow.state_bytes(cfg, n_trainable, n_frozen, train_embeddings=train_embeddings, per_trainable=4)
+    muon = sum(a * b for a, b in muon_shapes(cfg, n_trainable, n_frozen, optimizer == "muon+lora"))
+    state = 8 * trainable - 4 * muon * (optimizer != "adamw")
     parts = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "fsdp": (world, world, world)}[mode]
-    return tuple(b / n for b, n in zip((weights, 4 * trainable, 8 * trainable), parts))
+    return tuple(b / n for b, n in zip((weights, 4 * trainable, state), parts))
 
 
 def fsdp_gathered_bytes(cfg, n_trainable, n_frozen, dtype="float32"):
@@ -128,7 +153,8 @@ def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, c
     trainable parameters' size (measured 3/4 of it at step_small, so this side over-predicts).
     bitsandbytes' AdamW8bit on CPU works one tensor at a time in fp32: both moments dequantised, the
     gradient, the square root and the denominator, 5 copies of the largest tensor (its CUDA kernel
-    updates in place, so there this side over-predicts). With zero_world > 1: per rank under ZeRO-1
+    updates in place, so there this side over-predicts). optimizer="muon": the larger of Muon's
+    (muon_step_bytes) and AdamW's on the rest. With zero_world > 1: per rank under ZeRO-1
     (each rank steps its share; the gradients are whole on every rank). dtype "bfloat16" (bf16
     autocast): bf16 activations (activation_bytes), and autocast's bf16 copies of the trainable
     linears' weights and of the head's, which the backward holds (2 B each). With fsdp_world > 1: per
@@ -149,6 +175,9 @@ def step_peak_bytes(cfg, n_trainable, n_frozen, tokens, train_embeddings=True, c
     if dtype == "bfloat16":
         act += 2 * (n_trainable * grow.layer_counts(cfg)[0] + cfg.vocab_size * cfg.n_embd)
     temp = 5 * 4 * max(sizes) if optimizer == "adamw8bit" else grads / zero_world
+    if optimizer in ("muon", "muon+lora"):   # Muon's matrices one at a time, then AdamW's on the rest
+        shapes = muon_shapes(cfg, n_trainable, n_frozen, optimizer == "muon+lora")
+        temp = max(muon_step_bytes(shapes), (grads - 4 * sum(a * b for a, b in shapes)) / zero_world)
     return int(max(state - grads + act, state + temp))
 
 
@@ -167,8 +196,10 @@ def configured_peaks(tcfg, cfg, stage_layers, dtype, world=1):
 
 
 def planned_optimizer(cfg):
-    """The optimizer the planner counts for a run config: adamw8bit as it is, GaLore as the AdamW it
-    wraps."""
+    """The optimizer the planner counts for a run config: adamw8bit and muon as they are ("muon+lora"
+    where Muon steps the adapters too), GaLore as the AdamW it wraps."""
+    if cfg.optimizer == "muon":
+        return "muon+lora" if cfg.muon_adapters else "muon"
     return "adamw8bit" if cfg.optimizer == "adamw8bit" else "adamw"
 
 
@@ -178,11 +209,12 @@ GPU_BYTES = 80e9   # the GPUs the shipped configs are for (H100/A100 80 GB), of 
 def settings(world=8):
     """The model-state accountings the plan compares: (name, state_bytes keywords). The paper's
     (bf16 mixed precision) and ours: int8 frozen store with fp32 AdamW, with 8-bit AdamW
-    (optimizer=adamw8bit), and with ZeRO-1 over `world` ranks (zero1=True; per rank)."""
+    (optimizer=adamw8bit), with ZeRO-1 over `world` ranks (zero1=True; per rank), and with Muon on
+    the layers' matrices (optimizer=muon)."""
     out = [("paper bf16", dict(accounting="bf16")), ("int8", dict(accounting="int8")),
            ("int8 + 8-bit AdamW", dict(accounting="int8", optimizer="adamw8bit"))]
     zero = [(f"int8 + ZeRO-1 / {world}", dict(accounting="int8", zero_world=world))]
-    return out + (zero if world > 1 else [])
+    return out + (zero if world > 1 else []) + [("int8 + Muon", dict(accounting="int8", optimizer="muon"))]
 
 
 def smallest_plan(cfg, target_layers, budget, choices, max_stages=8, **kw):

@@ -1,6 +1,7 @@
-"""Optimizers beyond plain AdamW and what STEP's stage changes ask of them: bitsandbytes' 8-bit
-AdamW, GaLore, ZeRO-1 (with the hand-over of state at a stage change), and ReLoRA's reset of the
-adapters' state at a restart. train.configure_optimizer builds the parameter groups."""
+"""The optimizers and what STEP's stage changes ask of them: AdamW, Muon (torch.optim.Muon on the
+hidden matrices, AdamW on the rest), bitsandbytes' 8-bit AdamW, GaLore, ZeRO-1 (with the hand-over
+of state at a stage change), and ReLoRA's reset of the adapters' state at a restart.
+train.configure_optimizer builds the parameter groups."""
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -20,6 +21,24 @@ def build(model, groups, cfg, device, previous=None, carried=(), **kw):
     return opt
 
 
+def hidden_matrices(model, adapters=False):
+    """The 2-D matrices of the layer stack that train: the trainable layers' seven linear weights (at
+    full rank), and with adapters=True the frozen layers' LoRA A and B too. GaLore projects the
+    first kind; Muon orthogonalises the updates of either."""
+    return {p for n, p in model.named_parameters() if p.requires_grad and n.startswith("layers.")
+            and p.dim() == 2 and (adapters or "lora_" not in n)}
+
+
+def split_groups(groups, chosen, options):
+    """Each group split in two: its parameters outside `chosen`, and those in it with `options` added."""
+    out = []
+    for g in groups:
+        mine = [p for p in g["params"] if p in chosen]
+        rest = [p for p in g["params"] if p not in chosen]
+        out += [{**g, "params": rest}] * bool(rest) + [{**g, "params": mine, **options(g)}] * bool(mine)
+    return out
+
+
 def _build(model, groups, cfg, device, **kw):
     if cfg.optimizer == "adamw8bit":   # blockwise 8-bit moments (tensors under 4,096 elements: fp32)
         try:
@@ -34,20 +53,45 @@ def _build(model, groups, cfg, device, **kw):
         except ImportError:
             raise UserError("optimizer=galore needs the galore-torch package: "
                             "pip install galore-torch==1.0") from None
-        projected = {p for n, p in model.named_parameters()
-                     if p.requires_grad and n.startswith("layers.") and p.dim() == 2 and "lora_" not in n}
         galore = {"rank": cfg.galore_rank, "update_proj_gap": cfg.galore_update_proj_gap,
                   "scale": cfg.galore_scale, "proj_type": "std"}
-        split = []
-        for g in groups:
-            mine = [p for p in g["params"] if p in projected]
-            rest = [p for p in g["params"] if p not in projected]
-            split += [{**g, "params": rest}] * bool(rest) + [{**g, "params": mine, **galore}] * bool(mine)
-        return GaLoreAdamW(split, no_deprecation_warning=True, **kw)
-    fused = device.type == "cuda"
+        return GaLoreAdamW(split_groups(groups, hidden_matrices(model), lambda g: galore),
+                           no_deprecation_warning=True, **kw)
+    fused, kind = device.type == "cuda", torch.optim.AdamW
+    if cfg.optimizer == "muon":
+        scale = cfg.muon_lr / cfg.learning_rate
+
+        def muon(g):   # steps at lr * lr_scale; the weights shrink by lr * weight_decay a step, as AdamW's
+            return {"muon": True, "lr_scale": scale, "weight_decay": g["weight_decay"] / scale,
+                    "momentum": cfg.muon_momentum, "adjust_lr_fn": cfg.muon_adjust_lr}
+        groups, kind = split_groups(groups, hidden_matrices(model, cfg.muon_adapters), muon), MuonAdamW
     if cfg.zero1 and dist.is_initialized():
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, fused=fused, **kw)
-    return torch.optim.AdamW(groups, fused=fused, **kw)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=kind, fused=fused, **kw)
+    return kind(groups, fused=fused, **kw)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over the groups marked muon=True, torch.optim.AdamW over the others, as one
+    optimizer to train.py, the checkpoints and ZeRO-1: one list of groups, one state, torch.optim's
+    state-dict format. train.py sets every group's lr to the schedule's; a Muon group steps at
+    lr * lr_scale (muon_lr / learning_rate), so the schedule's shape is the same for both."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), fused=False):
+        super().__init__(params, dict(lr=lr, betas=betas, fused=fused, weight_decay=0.0, muon=False,
+                                      lr_scale=1.0))
+        self.parts = []   # (muon?, the torch optimizer that steps those groups)
+        for muon, kind, kw in ((True, torch.optim.Muon, {}), (False, torch.optim.AdamW, {"fused": fused})):
+            mine = [{"params": g["params"]} for g in self.param_groups if g["muon"] == muon]
+            if mine:
+                self.parts.append((muon, kind(mine, **kw)))
+
+    @torch.no_grad()
+    def step(self):
+        for muon, opt in self.parts:
+            opt.state = self.state   # the one state (a resume's load_state_dict replaces self.state)
+            for ours, theirs in zip([g for g in self.param_groups if g["muon"] == muon], opt.param_groups):
+                theirs.update({k: ours[k] for k in theirs if k in ours}, lr=ours["lr"] * ours["lr_scale"])
+            opt.step()
 
 
 def local_state(opt):
@@ -105,7 +149,7 @@ def reset_adapter_state(model, opt, prune=1.0):
         if prune >= 1:
             del state[p]
             continue
-        for key in ("exp_avg", "exp_avg_sq"):
-            m = state[p][key]
-            if m.numel() and prune > 0:
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):   # AdamW's moments, or Muon's
+            m = state[p].get(key)
+            if m is not None and m.numel() and prune > 0:
                 m.mul_(m.abs() > torch.quantile(m.abs().flatten().float(), prune).to(m.dtype))

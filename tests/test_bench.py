@@ -59,19 +59,24 @@ def test_reproduce_grid_runs_resumes_and_skips(tmp_path):
 
 def test_memory_table(tmp_path):
     """bench/peak_memory.py as its docstring runs it, scaled down: a row per stage and phase, the
-    planned peak beside the measured one, STEP's run peak below vanilla's."""
+    planned peak beside the measured one, STEP's run peak below vanilla's; with Muon (--modes
+    plain,muon) the planned state lower than AdamW's by 4 B per parameter of the layers' matrices."""
     write_dataset(str(tmp_path), vocab=8192)
-    out = run("bench/peak_memory.py", "--only", "vanilla,step2", "--modes", "plain", "--set", "batch_size=1",
-              "--set", f"data_dir={tmp_path}")
+    out = run("bench/peak_memory.py", "--only", "vanilla,step2", "--modes", "plain,muon", "--set",
+              "batch_size=1", "--set", f"data_dir={tmp_path}")
     rows = [r.split("|")[1:-1] for r in out.splitlines()
             if r.startswith("| vanilla") or r.startswith("| step2")]
-    assert [r[2].strip() for r in rows] == ["1 stage change", "1 step", "1 stage change", "1 step",
-                                            "2 stage change", "2 step"]
+    phases = ["1 stage change", "1 step", "1 stage change", "1 step", "2 stage change", "2 step"]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [(m, p) for m in ("plain", "muon") for p in phases]
     for r in rows:
         if "step" == r[2].split()[-1]:
             planned, measured = float(r[5].replace(",", "")), float(r[6].replace(",", ""))
             assert abs(measured - planned) < 0.1 * planned
-    assert rows[1][8].strip() == "1.00x" and float(rows[-1][8].strip().rstrip("x")) < 1
+    for plain, muon in zip(rows[:6], rows[6:]):   # the trained layers' matrices: d 192, ffn 512; MiB to 0.1
+        trained = int(plain[3].split("+")[0])
+        assert float(plain[4].replace(",", "")) - float(muon[4].replace(",", "")) == pytest.approx(
+            4 * trained * (4 * 192 * 192 + 3 * 192 * 512) / 2**20, abs=0.11)
+    assert rows[1][8].strip() == "1.00x" and float(rows[5][8].strip().rstrip("x")) < 1
     # --config: another model's final depth in 3 planned stages (gpu_check.sh's 350M and 1B form)
     cfg = tmp_path / "c.py"
     cfg.write_text(f"data_dir = {str(tmp_path)!r}\nn_embd = 64\nn_head = 2\nstage_layers = [2, 2]\n"
@@ -84,13 +89,13 @@ def test_memory_table(tmp_path):
 
 
 def test_meta_device_state_of_the_paper_scale_configs_is_the_plan():
-    """bench/peak_memory.py --meta as its docstring runs it: at 350M, 1B and 7B, for AdamW and (where
-    bitsandbytes is installed) 8-bit AdamW, every stage's model built on the meta device holds
+    """bench/peak_memory.py --meta as its docstring runs it: at 350M, 1B and 7B, for AdamW, Muon and
+    (where bitsandbytes is installed) 8-bit AdamW, every stage's model built on the meta device holds
     exactly the planned model state plus the RoPE tables, which the plan leaves out."""
     import importlib.util
     out = run("bench/peak_memory.py", "--meta", "config/step_350m.py,config/step_1b.py,config/step_7b.py")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| step_")]
-    optimizers = ["adamw", "adamw8bit"] if importlib.util.find_spec("bitsandbytes") else ["adamw"]
+    optimizers = ["adamw", "muon"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
     assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
         (c, o, s) for c, stages in (("step_350m.py", "12"), ("step_1b.py", "123"), ("step_7b.py", "123"))
         for o in optimizers for s in ["vanilla", *stages]]

@@ -80,13 +80,13 @@ def straight(tmp_path_factory):
     return tmp, data
 
 
-def start(out, data, script, env=None):
+def start(out, data, script, env=None, extra=()):
     """The same command every time: the default init_from=auto continues the run out holds."""
-    return subprocess.Popen([sys.executable, script, *RUN, f"--data_dir={data}", f"--out_dir={out}"],
+    return subprocess.Popen([sys.executable, script, *RUN, *extra, f"--data_dir={data}", f"--out_dir={out}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def paused(out, data, tmp_path, **at):
+def paused(out, data, tmp_path, extra=(), **at):
     """train.py (the same command: it continues the run if out holds one), started with PAUSE at `at`
     (PAUSE_STEP=k or PAUSE_SAVE=n); -> the process once it has paused there, or has ended."""
     mark = tmp_path / "paused"
@@ -94,7 +94,7 @@ def paused(out, data, tmp_path, **at):
         mark.unlink()
     (tmp_path / "pause.py").write_text(PAUSE)
     env = {**os.environ, "PAUSE_MARK": str(mark), **{f"PAUSE_{k.upper()}": str(v) for k, v in at.items()}}
-    proc = start(out, data, str(tmp_path / "pause.py"), env)
+    proc = start(out, data, str(tmp_path / "pause.py"), env, extra)
     while not mark.exists() and proc.poll() is None:
         time.sleep(0.01)
     return proc
@@ -142,6 +142,30 @@ def test_sigkill_anywhere_then_the_same_command_is_bit_exact(straight, tmp_path)
     _, err = proc.communicate(timeout=HANG)
     assert proc.returncode == 0, err
     same_final_state(straight[0] / "straight", out)
+
+
+def test_sigterm_and_sigkill_of_a_muon_run_then_resume_is_bit_exact(straight, tmp_path):
+    """optimizer=muon (its momentum buffers in the checkpoint): SIGTERM at step 9 (saved, exit 0), then
+    killed at a step after the growth and inside a checkpoint's write, resumed each time; it ends
+    where the straight run ends, every tensor and the optimizer state bit for bit."""
+    _, data = straight
+    muon = ["--optimizer=muon"]
+    train.main(RUN + muon + [f"--data_dir={data}", f"--out_dir={tmp_path / 'straight'}"])
+    out = tmp_path / "out"
+    size = os.path.getsize(checkpoint_files(str(tmp_path / "straight"))[0])
+    for sig, at in ((signal.SIGTERM, dict(step=9)), (signal.SIGKILL, dict(step=23)),
+                    (signal.SIGKILL, dict(save=size // 3))):
+        proc = paused(out, data, tmp_path, muon, **at)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=HANG)
+        assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), err[-3000:]
+    assert any(n.endswith(".pt.tmp") for n in os.listdir(out))   # the last kill landed inside a write
+    proc = start(out, data, "train.py", extra=muon)
+    _, err = proc.communicate(timeout=HANG)
+    assert proc.returncode == 0, err
+    same_final_state(tmp_path / "straight", out)
+    assert any("momentum_buffer" in s for s in load_checkpoint(str(out))["optimizer"]["state"].values())
 
 
 def test_full_disk_keeps_the_previous_checkpoint_and_stops_with_one_line(straight, tmp_path, monkeypatch):

@@ -128,7 +128,7 @@ def test_readme_plan_commands_run_and_its_1b_table_is_the_commands_output():
     assert "K = 3 with int8 + 8-bit AdamW" in output("python plan.py config/step_1b.py --budget 7e9")
     table = text.split("The plan at 1B")[1].split("```text\n")[1].split("```")[0].splitlines()
     out = output("python plan.py config/step_1b.py").splitlines()
-    assert len(table) == 13 and all(line in out for line in table), set(table) - set(out)
+    assert len(table) == 16 and all(line in out for line in table), set(table) - set(out)
 
 
 @pytest.mark.parametrize("train_embeddings, frozen_dtype", [(True, "int8"), (False, "int8"), (True, "bf16")])
@@ -403,7 +403,7 @@ def test_readme_placement_picture():
 
 @pytest.mark.parametrize("extra", [[], ["--activation_checkpointing=True"], ["--loss_chunk=48"],
                                    ["--activation_checkpointing=True", "--loss_chunk=48"],
-                                   ["--optimizer=adamw8bit"],
+                                   ["--optimizer=adamw8bit"], ["--optimizer=muon"],
                                    ["--activation_checkpointing=True", "--loss_chunk=256",
                                     "--batch_size=16"]])
 @pytest.mark.slow
@@ -427,7 +427,7 @@ def test_planned_step_peak_within_10_percent_of_the_allocator(extra, tmp_path):
         mc = grow.model_config(cfg, r["n_trainable"] + r["n_frozen"], cfg.vocab_size)
         planned = memory.step_peak_bytes(mc, r["n_trainable"], r["n_frozen"], r["tokens"],
                                        checkpointing=cfg.activation_checkpointing, loss_chunk=cfg.loss_chunk,
-                                       optimizer=cfg.optimizer)
+                                       optimizer=memory.planned_optimizer(cfg))
         assert abs(r["peak"] - planned) < 0.10 * planned, (
             r["peak"], planned, grow.state_bytes(mc, r["n_trainable"], r["n_frozen"]))
 

@@ -370,6 +370,12 @@ def test_the_configs_are_the_published_recipe_and_step_beside_it(size):
         assert (cfg.eval_interval, cfg.eval_tokens) == (1000, 10_000_000)
     assert grow.stage_count(vanilla) == 1 and vanilla.batch_size == step.batch_size
     assert (grow.stage_count(step), step.grow_at, step.lora_rank) == (3 if size == "1b" else 2, 0.75, 64)
+    for base, twin in ((vanilla, f"c4_muon_{size}"), (step, f"c4_step_muon_{size}")):   # Muon beside each
+        muon = load_config([os.path.join(ROOT, "config", f"{twin}.py")])
+        assert {k for k, v in vars(base).items() if getattr(muon, k) != v} == {
+            "out_dir", "optimizer", "muon_adjust_lr", "muon_lr", "zero1"}
+        assert (muon.optimizer, muon.muon_adjust_lr, muon.muon_lr, muon.zero1) == (
+            "muon", "match_rms_adamw", base.learning_rate, True)
     assert step.out_dir != vanilla.out_dir
 
 
