@@ -202,3 +202,41 @@ def test_the_readmes_module_table_lists_every_module_and_names_what_each_holds()
         assert set(named) <= defined, f"{path}: the README names {set(named) - defined}, not defined there"
         if path.startswith("stepgpt/"):
             assert named, f"{path}: its row names none of what it holds"
+
+
+def definition_lines(path):
+    """{name: line} of a file's functions, classes, their methods and class attributes
+    (`Class.name`)."""
+    import ast
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    lines = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            lines[node.name] = node.lineno
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AnnAssign, ast.Assign)):
+                    name = item.name if isinstance(item, ast.FunctionDef) else (
+                        item.target if isinstance(item, ast.AnnAssign) else item.targets[0]).id
+                    lines[f"{node.name}.{name}"] = item.lineno
+    return lines
+
+
+def test_the_reading_guide_names_what_each_file_defines_in_the_files_order():
+    """Each numbered item of the README's reading guide opens with the names it explains; each is
+    defined in the file of its heading, and a file's items follow the file from top to bottom."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    guide = text[text.index("## Read the code"):text.index("The machinery lives beside it")]
+    order, path = [], None
+    for line in guide.splitlines():
+        heading = re.match(r"\*\*([\w/]+\.py)\*\*", line)
+        item = re.match(r"(\d+)\. (`[^:]*):", line)
+        if heading:
+            path, lines, last = heading.group(1), definition_lines(heading.group(1)), 0
+        elif item:
+            order.append(int(item.group(1)))
+            names = re.findall(r"`([\w.]+)`", item.group(2))
+            assert names and all(n in lines for n in names), f"{path}: {names} are not all defined there"
+            assert lines[names[0]] > last, f"{path}: item {item.group(1)} comes before the one above it"
+            last = lines[names[0]]
+    assert order == list(range(1, len(order) + 1)) and len(order) >= 18
