@@ -143,7 +143,7 @@ def setup(cfg):
     if ddp:
         rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     lock = None
-    if rank == 0:
+    if rank == 0 and not cfg.dry_run:   # a dry run reads out_dir and writes nothing there
         lock = FolderLock(cfg.out_dir, "run.lock", f"out_dir={cfg.out_dir!r}", "choose another --out_dir")
     try:
         if lock:
@@ -342,7 +342,7 @@ def wrap(run, raw):
 def train(cfg):
     with setup(cfg) as run:
         raw, opt, it, best_val = build(run)   # `raw`: the plain module (growth, saving, sampling)
-        monitor.describe(run)
+        monitor.describe(run, raw)
         if cfg.dry_run:
             return
         runtime.check_replicas(run, raw, "at the start")
