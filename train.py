@@ -139,11 +139,11 @@ def setup(cfg):
     decides what init_from does there (checkpoint.claim: auto continues the run the folder holds)."""
     ddp, rank, local, world = runtime.ranks()
     lock = init = None
-    if rank == 0:
+    if rank == 0 and not cfg.dry_run:   # a dry run reads out_dir and writes nothing there
         lock = FolderLock(cfg.out_dir, "run.lock", f"out_dir={cfg.out_dir!r}", "choose another --out_dir")
     try:
-        if lock:
-            init = checkpoint.claim(cfg.out_dir, cfg.init_from)
+        if rank == 0:
+            init = checkpoint.claim(cfg.out_dir, cfg.init_from, dry_run=cfg.dry_run)
         return _setup(cfg, ddp, rank, local, world, lock, init)
     except BaseException:
         if lock:
@@ -328,7 +328,7 @@ def train(cfg):
         raw, opt, it, best_val = build(run)   # `raw`: the plain module (growth, saving, sampling)
         if raw is None:   # out_dir holds this run finished
             return
-        monitor.describe(run)
+        monitor.describe(run, raw)
         if cfg.dry_run:
             return
         runtime.check_replicas(run, raw, "at the start")

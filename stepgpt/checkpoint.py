@@ -437,7 +437,7 @@ def tensor_digest(state):
 # ----------------------------------------------------------------------------------------------
 # a run's checkpoints
 
-def claim(out_dir, init_from):
+def claim(out_dir, init_from, dry_run=False):
     """A run owns the checkpoints of its out_dir: a fresh run into a folder that holds another run's
     would lose its own to their rotation (it keeps the highest steps) and leave a resume to pick up
     theirs. So init_from=auto continues the run the folder holds (check_resume refuses another
@@ -445,9 +445,10 @@ def claim(out_dir, init_from):
     weights, hf:) stops before any work; resume continues; and --init_from=resume_previous moves the
     newest aside (to NAME.superseded, kept), so that the run continuing from the one before it owns
     the folder's newest file. Call it on rank 0 holding out_dir's lock, before the other ranks look
-    (the temp files of an interrupted save are then ours to remove). -> what init_from does here:
-    auto's choice (resume or scratch), or init_from."""
-    for path in remove_temp_files(out_dir):
+    (the temp files of an interrupted save are then ours to remove); a dry run decides the same and
+    removes or moves nothing. -> what init_from does here: auto's choice (resume or scratch), or
+    init_from."""
+    for path in [] if dry_run else remove_temp_files(out_dir):
         print(f"removed {path}: a save that a kill interrupted", flush=True)
     files = checkpoint_files(out_dir)
     if init_from == "auto":
@@ -465,6 +466,8 @@ def claim(out_dir, init_from):
         if why:
             raise UserError(f"the checkpoint before the newest, {files[1]}, is unusable ({why}) and no "
                             f"earlier one is kept: start again in another --out_dir")
+        if dry_run:
+            return init_from
         if os.path.isdir(files[0] + ".superseded"):   # a .dcp folder moved aside before (a file is replaced)
             shutil.rmtree(files[0] + ".superseded")
         os.replace(files[0], files[0] + ".superseded")

@@ -35,7 +35,8 @@ class TrainConfig(GPTConfig):
     log_interval: int = 10
     keep_checkpoints: int = 2           # the newest k checkpoints stay in out_dir (ckpt-<iter>.pt)
     eval_only: bool = False
-    dry_run: bool = False               # print the resolved config, model and stage plan, then exit
+    dry_run: bool = False               # print the resolved config, stage plan and model, then exit;
+                                        # out_dir is left untouched
     stop_at: int = 0                    # >0: save and stop at this iteration, as a preempted job would
     sample_tokens: int = 200            # a sample written to out_dir/sample.txt at the end (0: none)
     seed: int = 1337

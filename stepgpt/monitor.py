@@ -45,7 +45,7 @@ class Logger:
         self.wandb_id = wandb_id     # the checkpoint keeps it: a resumed run continues the same W&B run
         self.trackers, self.written = [], {}
         sent = keep_until            # the last step the run's earlier attempts recorded
-        if master and os.path.isfile(self.path):
+        if master and os.path.isfile(self.path) and not cfg.dry_run:
             records, dropped = read_metrics(self.path)
             keep = [r for r in records if r.get("step", -1) <= keep_until]
             if dropped or len(keep) < len(records):
@@ -276,8 +276,9 @@ def fmt_count(n):
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
 
 
-def describe(run):
-    """The resolved config, once, and the planner's model-state bytes and step peak of each stage."""
+def describe(run, model):
+    """The resolved config, once, and the planner's model-state bytes and step peak of each stage;
+    on a dry run, the model as built too (the first stage's, or the checkpoint's)."""
     cfg, device = run.cfg, run.device
     peak = peak_flops(device)
     off = ("" if run.compiled or not cfg.compile else " (off on MPS)" if device.type == "mps"
@@ -295,7 +296,11 @@ def describe(run):
                       f"vocab {run.meta['vocab_size']} (model {run.vocab_size})"),
              ("stages", " + ".join(map(str, run.stage_layers)) + f" layers, iters {run.stage_iters}"),
              ("peak FLOP/s", f"{peak:.3g}" if peak else "n/a (MFU not shown)")]
-    run.log.print("\n".join(f"{k:>28} : {v}" for k, v in facts + list(asdict(cfg).items())))
+    keys = asdict(cfg)
+    if not cfg.vocab_size:   # 0: the data's vocabulary, padded
+        keys["vocab_size"] = (f"{run.vocab_size} (vocab_size=0: the data's {run.meta['vocab_size']}, "
+                              f"padded to a multiple of 64)")
+    run.log.print("\n".join(f"{k:>28} : {v}" for k, v in facts + list(keys.items())))
     run.log.config({**asdict(cfg), "resolved": dict(facts)})
     final = grow.model_config(cfg, run.depth[-1], run.vocab_size)
     opt = memory.planned_optimizer(cfg)
@@ -309,6 +314,8 @@ def describe(run):
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(plan))
                   + f"; step peak{per_rank} with {run.dtype} activations "
                   + ", ".join(f"stage {i + 1} {fmt_bytes(b)}" for i, b in enumerate(peaks)))
+    if cfg.dry_run:
+        run.log.print(model)
     if device.type == "cuda":   # against what the GPU had free before the model was placed: what is
         # free now, and what this process's allocator holds (the model, or its shards)
         free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)

@@ -159,3 +159,87 @@ def test_every_relative_link_resolves():
             elif anchor and path.endswith(".md") and anchor not in anchors(path):
                 bad.append(f"{page}: {target} (no heading #{anchor} in {path})")
     assert bad == []
+
+
+LEARNERS_PATH = {"model.py", "frozen_linear.py", "grow.py", "train.py"}   # the reading guide's files
+
+
+def module_table():
+    """The README's table of modules: {path: description}, from the code block after "The machinery"."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = re.search(r"^The machinery lives beside it.*?^```\n(.*?)^```", text, re.S | re.M).group(1)
+    rows = {}
+    for line in block.splitlines():
+        if line.strip():
+            path, _, words = line.partition(" ")
+            if path:
+                rows[path] = words.strip()
+            else:
+                rows[list(rows)[-1]] += " " + line.strip()
+    return rows
+
+
+def test_the_readmes_module_table_lists_every_module_and_names_what_each_holds():
+    """Every module beside the learner's path is in the table (itself or its folder), every path
+    the table names exists, and each name a row puts in backticks is defined in that row's file (or a
+    file of that folder): a description moved to the wrong module, or a module added without a row,
+    fails here."""
+    import ast
+    rows = module_table()
+    tracked = [p for p in sorted(glob.glob("**/*.py", root_dir=ROOT, recursive=True))
+               if not p.startswith((".", "tests/", "config/")) and "/." not in p]
+    folders = tuple(r for r in rows if r.endswith("/"))
+    unlisted = [p for p in tracked if p not in LEARNERS_PATH | set(rows) and not p.endswith("__init__.py")
+                and not p.startswith(folders)]
+    assert unlisted == [], "modules missing from the README's table of modules"
+    assert [p for p in rows if not os.path.exists(os.path.join(ROOT, p))] == []
+    for path, words in rows.items():
+        files = ([os.path.join(ROOT, path)] if path.endswith(".py")
+                 else glob.glob(os.path.join(ROOT, path, "**", "*.py"), recursive=True))
+        defined = {os.path.basename(f) for f in files}
+        for f in files:
+            for node in ast.walk(ast.parse(open(f, encoding="utf-8").read())):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    defined.add(node.name)
+        named = [n for n in re.findall(r"`([^`]+)`", words) if re.fullmatch(r"[\w.]+", n)]
+        assert set(named) <= defined, f"{path}: the README names {set(named) - defined}, not defined there"
+        if path.startswith("stepgpt/"):
+            assert named, f"{path}: its row names none of what it holds"
+
+
+def definition_lines(path):
+    """{name: line} of a file's functions, classes, their methods and class attributes
+    (`Class.name`)."""
+    import ast
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    lines = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            lines[node.name] = node.lineno
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AnnAssign, ast.Assign)):
+                    name = item.name if isinstance(item, ast.FunctionDef) else (
+                        item.target if isinstance(item, ast.AnnAssign) else item.targets[0]).id
+                    lines[f"{node.name}.{name}"] = item.lineno
+    return lines
+
+
+def test_the_reading_guide_names_what_each_file_defines_in_the_files_order():
+    """Each numbered item of the README's reading guide opens with the names it explains; each is
+    defined in the file of its heading, and a file's items follow the file from top to bottom."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    guide = text[text.index("## Read the code"):text.index("The machinery lives beside it")]
+    order, path = [], None
+    for line in guide.splitlines():
+        heading = re.match(r"\*\*([\w/]+\.py)\*\*", line)
+        item = re.match(r"(\d+)\. (`[^:]*):", line)
+        if heading:
+            path, lines, last = heading.group(1), definition_lines(heading.group(1)), 0
+        elif item:
+            order.append(int(item.group(1)))
+            names = re.findall(r"`([\w.]+)`", item.group(2))
+            assert names and all(n in lines for n in names), f"{path}: {names} are not all defined there"
+            assert lines[names[0]] > last, f"{path}: item {item.group(1)} comes before the one above it"
+            last = lines[names[0]]
+    assert order == list(range(1, len(order) + 1)) and len(order) >= 18

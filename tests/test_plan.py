@@ -19,12 +19,25 @@ from stepgpt.errors import UserError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_plot_command():
-    """The README's `python plan.py ... --plot FILE` line, as arguments, and the picture it shows."""
+def readme_plot_commands():
+    """The README's `python plan.py ... --plot FILE` lines, as arguments, and the picture it shows."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    (line,) = [m for m in re.findall(r"^python plan\.py .*$", text, re.M) if "--plot" in m]
+    lines = [m for m in re.findall(r"^python plan\.py .*$", text, re.M) if "--plot" in m]
     (picture,) = re.findall(r"^!\[[^\]]*\]\((docs/[^)]+)\)", text, re.M)
-    return shlex.split(line)[2:], picture
+    return [shlex.split(line)[2:] for line in lines], picture
+
+
+def plotted_rows(argv, tmp_path, capsys):
+    """plan.main(argv) in-process with its picture written under tmp_path (not over a committed one):
+    the rows it prints, (config, stage or vanilla, stack, model state, step peak)."""
+    argv = list(argv)
+    argv[argv.index("--plot") + 1] = str(tmp_path / os.path.basename(argv[argv.index("--plot") + 1]))
+    plan.main(argv)
+    out = capsys.readouterr().out
+    with open(argv[argv.index("--plot") + 1], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    row = r"^(\S+)\s+(stage \d+|vanilla)\s+([TF]+)\s+model state\s+([\d,]+)\s+step peak\s+([\d,]+)$"
+    return re.findall(row, out, re.M)
 
 
 def frozen_in_each_stage(tcfg, layers):
@@ -45,17 +58,11 @@ def test_the_readmes_stage_picture_is_drawn_from_the_planners_numbers(tmp_path, 
     the stages of grow.stage_plan, the model state of grow.stage_memory with memory.state_bytes,
     the step peak of memory.configured_peaks (bf16), vanilla the same final model in one stage."""
     pytest.importorskip("matplotlib", reason="optional: pip install matplotlib")
-    argv, picture = readme_plot_command()
+    (argv, _), picture = readme_plot_commands()
     assert argv[argv.index("--plot") + 1] == picture    # the command draws the picture the README shows
-    argv[argv.index("--plot") + 1] = str(tmp_path / os.path.basename(picture))
     monkeypatch.chdir(ROOT)
-    plan.main(argv)
-    out = capsys.readouterr().out
-    with open(tmp_path / os.path.basename(picture), "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    drawn = plotted_rows(argv, tmp_path, capsys)
     assert not os.path.exists(tmp_path / (os.path.basename(picture) + ".tmp"))
-    row = r"^(\S+)\s+(stage \d+|vanilla)\s+([TF]+)\s+model state\s+([\d,]+)\s+step peak\s+([\d,]+)$"
-    drawn = re.findall(row, out, re.M)
     configs = [a for a in argv if a.endswith(".py")]
     assert configs == ["config/step_small.py", "config/step_350m.py"]
     for config in configs:
@@ -73,6 +80,32 @@ def test_the_readmes_stage_picture_is_drawn_from_the_planners_numbers(tmp_path, 
         expected = [(config, n, s, f"{a:,}", f"{b:,}") for n, s, a, b in zip(names, stacks, states, peaks)]
         assert [d for d in drawn if d[0] == config] == expected
     assert len(drawn) == 6 and drawn[4][2].count("F") == 13   # 350M: 13 layers frozen in stage 2
+
+
+def test_the_readmes_memory_table_is_what_its_two_plan_commands_print(tmp_path, monkeypatch, capsys):
+    """Each cell of the README's table "What each stage holds" (the largest STEP stage / vanilla, and
+    the share) is computed from the rows the README's two plan.py lines print: the configs as set,
+    and with activation checkpointing and the chunked loss."""
+    pytest.importorskip("matplotlib", reason="optional: pip install matplotlib")
+    (as_set, lean), _ = readme_plot_commands()
+    assert "--activation_checkpointing=True" in lean and any(a.startswith("--loss_chunk=") for a in lean)
+    monkeypatch.chdir(ROOT)
+    rows = {"as set": plotted_rows(as_set, tmp_path, capsys), "lean": plotted_rows(lean, tmp_path, capsys)}
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = re.findall(r"^\| (step_\w+) \([\d.]+M\) \| (.*) \| (.*) \| (.*) \|$", text, re.M)
+    assert [name for name, *_ in table] == ["step_small", "step_350m"]
+
+    def cell(pairs):   # the largest STEP stage's bytes and vanilla's -> "a / b UNIT (p %)"
+        step, vanilla = max(b for name, b in pairs if name != "vanilla"), dict(pairs)["vanilla"]
+        unit, size, digits = ("MiB", 2**20, 1) if vanilla < 2**30 else ("GiB", 2**30, 2)
+        return f"{step / size:.{digits}f} / {vanilla / size:.{digits}f} {unit} ({100 * step / vanilla:.0f} %)"
+
+    for name, *cells in table:
+        config = f"config/{name}.py"
+        state = [(r[1], int(r[3].replace(",", ""))) for r in rows["as set"] if r[0] == config]
+        peak, lean_peak = ([(r[1], int(r[4].replace(",", ""))) for r in rows[k] if r[0] == config]
+                           for k in ("as set", "lean"))
+        assert cells == [cell(state), cell(peak), cell(lean_peak)], name
 
 
 def test_several_configs_without_plot_print_a_table_each(capsys):

@@ -248,3 +248,32 @@ def test_tracking_is_off_by_default_and_the_keys_are_runtime_keys(tmp_path):
     assert {"tensorboard_dir", "wandb_log", "wandb_project", "wandb_run_name"} <= RUNTIME_KEYS
     with pytest.raises(UserError, match="wandb_project"):
         load_config(["--wandb_project=a/b"])
+
+
+def test_the_docs_table_of_recorded_keys_is_what_a_run_records(tmp_path):
+    """docs/tracking.md's table against a 3-stage run with ReLoRA restarts: every key a record holds
+    is a row and every row a key; the log keys in every log record; the eval keys in every eval
+    record; the merge keys at each growth after the first (4: no adapters yet; 8) and each restart
+    (6, 10); mfu and cuda_max_allocated null on CPU, as the table says."""
+    import os
+    import re
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tracking.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (`[^|]+`) \| [^|]+ \| ([^|]+) \|$", page, re.M)
+    when, last = {}, None
+    for names, at in rows:
+        last = last if at.strip() == '"' else at.strip()
+        when.update({n: last for n in re.findall(r"`(\w+)`", names)})
+    train.main(args(tmp_path, "--stage_layers=[1, 1, 1]", "--max_iters=12", "--eval_interval=4",
+                    "--log_interval=2", "--relora_every=2"))
+    records = metrics(tmp_path)
+    assert set(when) == {k for m in records for k in m} - {"step"}
+    log = {k for k, w in when.items() if w.startswith("every `log_interval`")}
+    evals = {k for k, w in when.items() if w.startswith("every `eval_interval`")}
+    merges = {k for k, w in when.items() if w.startswith("each growth after the first")}
+    assert when["stage"] == "every record" and log and evals and merges
+    assert all(log | {"stage"} == set(m) - {"step"} for m in records if "loss" in m)
+    assert [m["step"] for m in records if "loss" in m] == list(range(2, 13, 2))
+    assert all(evals | {"stage"} == set(m) - {"step"} for m in records if "val_loss" in m)
+    assert [m["step"] for m in records if "val_loss" in m] == [0, 4, 8, 12]
+    assert [m["step"] for m in records if merges <= set(m)] == [6, 8, 10]
+    assert all(m["mfu"] is None and m["cuda_max_allocated"] is None for m in records if "loss" in m)

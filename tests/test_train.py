@@ -106,11 +106,20 @@ def test_stage_tokens_length_must_match_the_stages(tmp_path):
         train.main(args(tmp_path, "--stage_layers=[1, 1]", "--stage_tokens=[1000]"))
 
 
-def test_dry_run_prints_and_trains_nothing(tmp_path, capsys):
+def test_dry_run_prints_config_model_and_plan_and_writes_nothing(tmp_path, capsys):
+    """The resolved config (vocab_size as the model gets it), the stage plan and the model as built;
+    out_dir is not made, so no lock file or metrics are left behind; a used out_dir's files stay."""
     train.main(args(tmp_path, "--dry_run=True", "--stage_layers=[1, 1]", "--max_iters=10"))
     out = capsys.readouterr().out
     assert "tokens/iter" in out and "1 + 1 layers" in out and "n/a" in out
-    assert not checkpoint_files(str(tmp_path / "out"))
+    assert re.search(r"^ +vocab_size : 128 \(vocab_size=0: the data's 100, padded", out, re.M)
+    assert "GPT(" in out and "(0): Block(" in out and "lm_head" in out
+    assert not os.path.exists(tmp_path / "out")
+    os.makedirs(tmp_path / "out")
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    train.main(args(tmp_path, "--dry_run=True"))
+    assert os.listdir(tmp_path / "out") == ["metrics.jsonl"]
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
 
 
 # -- training -----------------------------------------------------------------------------------
