@@ -17,5 +17,8 @@ def run_cli(main):
     try:
         main(sys.argv[1:])
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one write, newline included: the ranks of a job share stderr, and print's two writes (the
+        # text, then the newline) of two ranks can interleave into one line
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         sys.exit(2)

@@ -292,6 +292,9 @@ def _sharded_runs(rank, ports, runs):
         if rank == 0 and name != "sharded":   # the others wait for rank 0 in the process group's start
             shutil.copytree(f"{out}/sharded", f"{out}/{name}")
             newest = checkpoint.checkpoint_files(f"{out}/{name}")[0]
+            if name.startswith("crafted-"):   # a finished run's newest is never loaded (it says so and stops)
+                shutil.rmtree(newest)
+                newest = checkpoint.checkpoint_files(f"{out}/{name}")[0]
             if name == "crafted-file":   # a file in the newest folder's place
                 ckpt, newest = checkpoint.load_checkpoint(newest), newest[:-4] + ".pt"
                 shutil.rmtree(newest[:-3] + ".dcp")
@@ -430,23 +433,23 @@ def test_a_damaged_checkpoint_folder_stops_every_rank_naming_the_one_before_it(s
 
 @pytest.mark.slow
 def test_a_crafted_checkpoint_stops_every_rank_in_one_line_and_runs_nothing(spawned):
-    """The docs' sharded run resumed on its 2 ranks from a copy whose newest checkpoint was built to
-    run code when read (a .pt file, a folder's header.pt or .metadata, or a .metadata declaring a
-    tensor as pickled bytes): every rank refuses it in one line naming the file and what it asked
-    for, before any training; the code never runs (no marker) and no checkpoint is written."""
+    """The docs' sharded run resumed on its 2 ranks from a copy whose newest checkpoint (mid-run: the
+    final one removed) was built to run code when read (a .pt file, a folder's header.pt or .metadata,
+    or a .metadata declaring a tensor as pickled bytes): every rank refuses it in one line naming the
+    file and what it asked for, before any training; the code never runs (no marker) and no checkpoint is written."""
     _, tmp = spawned
     for rank in range(WORLD):
         refusals = [line for line in (tmp / f"refusal-{rank}.txt").read_text().splitlines()
                     if line.startswith("crafted-")]
         assert [line.split(":")[0] for line in refusals] == [f"crafted-{kind}" for kind in CRAFT], refusals
         for line, kind in zip(refusals, CRAFT):
-            newest = tmp / f"crafted-{kind}" / ("ckpt-00000012.pt" if kind == "file" else "ckpt-00000012.dcp")
+            newest = tmp / f"crafted-{kind}" / ("ckpt-00000010.pt" if kind == "file" else "ckpt-00000010.dcp")
             assert line.split(": ", 1)[1].startswith(
                 f"checkpoint {newest}{REFUSED_FILE[kind]} {ASKED[kind]}: "), line
     for kind in CRAFT:
         assert not (tmp / f"marker-crafted-{kind}").exists()
         assert [os.path.basename(p) for p in checkpoint_files(str(tmp / f"crafted-{kind}"))] == [
-            "ckpt-00000012.pt" if kind == "file" else "ckpt-00000012.dcp", "ckpt-00000010.dcp"]
+            "ckpt-00000010.pt" if kind == "file" else "ckpt-00000010.dcp"]
 
 
 def the_tools_read(ckpt, tmp, capsys):
