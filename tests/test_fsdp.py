@@ -436,7 +436,8 @@ def test_a_crafted_checkpoint_stops_every_rank_in_one_line_and_runs_nothing(spaw
     """The docs' sharded run resumed on its 2 ranks from a copy whose newest checkpoint (mid-run: the
     final one removed) was built to run code when read (a .pt file, a folder's header.pt or .metadata,
     or a .metadata declaring a tensor as pickled bytes): every rank refuses it in one line naming the
-    file and what it asked for, before any training; the code never runs (no marker) and no checkpoint is written."""
+    file and what it asked for, before any training; the code never runs (no marker) and no
+    checkpoint is written."""
     _, tmp = spawned
     for rank in range(WORLD):
         refusals = [line for line in (tmp / f"refusal-{rank}.txt").read_text().splitlines()
@@ -816,7 +817,7 @@ def test_the_start_up_memory_check_is_per_rank_against_the_gpus_memory_before_th
                               depth=list(np.cumsum(layers)), log=SimpleNamespace(print=lines.append,
                                                                                  config=lambda values: None))
         with FakeTensorMode():   # the device probe's CUDA tensor, on a CPU build
-            monitor.describe(run)
+            monitor.describe(run, None)
         planned = next(line for line in lines if line.startswith("planned"))
         logged = [float(v) for v in re.findall(r"stage \d+ ([\d.]+)GiB", planned.split("; step peak")[1])]
         assert logged == pytest.approx(table, abs=0.006) and len(table) == 4, (planned, table)
