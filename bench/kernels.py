@@ -13,7 +13,10 @@ Providers, all with bf16 activations, timed forward, backward and forward+backwa
   bf16 frozen   F.linear with a frozen bf16 weight and no adapter: the speed ceiling
   bf16 trained  F.linear with a trained bf16 weight (dX and dW in the backward)
 
-Without CUDA it checks correctness in the Triton interpreter instead, and exits 0.
+Without CUDA it checks the Triton paths against the reference in the Triton interpreter, then times
+what a CPU run uses, forward + backward in fp32 at step_small's layer shapes (with 350M's unless
+--quick): the frozen linear's plain-PyTorch path with the int8 store and with a bf16 store, against
+nn.Linear's frozen and trained weights.
 """
 import argparse
 import os
@@ -237,10 +240,56 @@ def run_gpu(args):
         print(f"wrote {args.out}")
 
 
-def run_cpu_check(out_file=None):
-    """Every path against the reference on one ragged shape, in the Triton interpreter; the lines
-    also to `out_file`."""
-    lines = ["no CUDA device: correctness check in the Triton interpreter only; timings need a GPU"]
+CPU_MODELS = {"step_small": (192, 512, 8), "350M": (1024, 2736, 64)}   # hidden, FFN, LoRA rank, as config/
+CPU_TOKENS = 16 * 128    # step_small's micro-batch
+
+
+def cpu_providers(m, n, k, r):
+    """-> [(name, forward + backward, its GEMM FLOPs)] in fp32 on the CPU, for y[M, N] = x[M, K]·Wᵀ."""
+    from torch.utils.benchmark import Timer
+    x = torch.randn(m, k, requires_grad=True)
+    w = torch.randn(n, k) / k ** 0.5
+    q, scale = quantize_int8(w)
+    a = (torch.randn(r, k) / k ** 0.5).requires_grad_()
+    b = (torch.randn(n, r) / r ** 0.5).requires_grad_()
+    trained = w.clone().requires_grad_()
+    dy = torch.randn(m, n)
+    lora = 4 * m * n * k + 6 * m * r * (k + n)   # x·Wᵀ and dY·W, and the adapter's six thin GEMMs
+
+    def step(fn, grads):
+        def run():
+            for t in grads:
+                t.grad = None
+            fn().backward(dy)
+        return Timer("run()", globals={"run": run}).blocked_autorange(min_run_time=0.5).median
+    return [("step int8 (reference)", step(lambda: frozen_linear.frozen_lora_linear(
+                x, q, scale, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
+            ("step bf16 store", step(lambda: frozen_linear.frozen_lora_linear(
+                x, w.bfloat16(), None, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
+            ("nn.Linear frozen", step(lambda: F.linear(x, w), [x]), 4 * m * n * k),
+            ("nn.Linear trained", step(lambda: F.linear(x, trained), [x, trained]), 6 * m * n * k)]
+
+
+def run_cpu_speed(quick, lines):
+    """The table of cpu_providers at the shipped configs' layer shapes, appended to `lines`."""
+    lines += [f"CPU, fp32, {torch.get_num_threads()} threads, M = {CPU_TOKENS} tokens, forward + backward:",
+              "| model | layer | N x K | r | provider | ms | GFLOP/s | vs nn.Linear trained |",
+              "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines[-3:]), flush=True)
+    for model, (d, ffn, r) in list(CPU_MODELS.items())[:1 if quick else None]:
+        for layer, n, k in layer_shapes(d, ffn):
+            rows = cpu_providers(CPU_TOKENS, n, k, r)
+            base = rows[-1][1]
+            for name, seconds, flops in rows:
+                lines.append(f"| {model} | {layer} | {n} x {k} | {r} | {name} | {seconds * 1e3:.3f} | "
+                             f"{flops / seconds / 1e9:.1f} | {base / seconds:.2f}x |")
+                print(lines[-1], flush=True)
+
+
+def run_cpu_check(quick=False, out_file=None):
+    """Every path against the reference on one ragged shape, in the Triton interpreter, then the
+    CPU's own timings (run_cpu_speed); the lines also to `out_file`."""
+    lines = ["no CUDA device: the Triton paths checked in the interpreter; the CPU's path timed after"]
     print(lines[0])
     if frozen_lora.INTERPRETER_PROBLEM:
         print(f"bench/kernels.py: {frozen_lora.INTERPRETER_PROBLEM}")
@@ -267,6 +316,7 @@ def run_cpu_check(out_file=None):
         lines.append(f"{path:>16}: max rel err y {errs[0]:.1e}  dx {errs[1]:.1e}  dA {errs[2]:.1e}  "
                      f"dB {errs[3]:.1e}  {'ok' if good else 'MISMATCH'}")
         print(lines[-1])
+    run_cpu_speed(quick, lines)
     if out_file:
         with open(out_file, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -276,7 +326,7 @@ def run_cpu_check(out_file=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="M=8192, r=16 only")
+    parser.add_argument("--quick", action="store_true", help="M=8192, r=16 only (a CPU: step_small's)")
     parser.add_argument("--out", help="also write the results as markdown to this file")
     args = parser.parse_args()
     if not frozen_lora.HAS_TRITON:
@@ -284,7 +334,7 @@ def main():
               "there); without it every frozen linear runs the plain-PyTorch reference")
         return 1
     if not HAS_CUDA:
-        return run_cpu_check(args.out)
+        return run_cpu_check(args.quick, args.out)
     run_gpu(args)
     return 0
 
