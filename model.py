@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from frozen_linear import frozen_lora_linear
 from stepgpt.errors import UserError
+from stepgpt.losses import linear_cross_entropy
 
 
 @dataclass
@@ -242,21 +243,6 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))   # SwiGLU
 
 
-def _loss_sum(x, targets, weight):
-    return F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1, reduction="sum")
-
-
-def chunked_cross_entropy(x, targets, weight, chunk):
-    """F.cross_entropy(x @ weight^T, targets) (mean over targets != -1), `chunk` tokens at a time.
-    Each chunk's logits are recomputed in the backward, so at most chunk x V logits (and their
-    gradient) exist at once instead of all: at the 1B config's micro-batch of 16 x 1024 tokens
-    and 32k vocabulary the full ones are 2.1 GB in fp32, and so is their gradient."""
-    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)   # (B*T, C), (B*T,)
-    total = sum(checkpoint(_loss_sum, x[i:i + chunk], targets[i:i + chunk], weight, use_reentrant=False)
-                for i in range(0, x.size(0), chunk))
-    return total / (targets != -1).sum()
-
-
 LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
 RESIDUAL_OUT = ("attn.o", "mlp.down")   # projections that write into the residual stream
 
@@ -368,9 +354,10 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None               # inference: last position only
         if loss_chunk:
-            return None, chunked_cross_entropy(x, targets, self.lm_head.weight, loss_chunk)
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets, loss_chunk)
         logits = self.lm_head(x)                                    # (B, T, V)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        up = torch.promote_types(logits.dtype, torch.float32)       # the loss in fp32 at least
+        loss = F.cross_entropy(logits.to(up).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     # -- accounting ----------------------------------------------------------------------------

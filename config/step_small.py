@@ -20,6 +20,9 @@ grow_init = "mean"
 grow_where = "upper"
 
 batch_size = 16
+# the loss 512 tokens at a time (stepgpt/losses.py): the 2,048 tokens' logits would be 67 MB, new pages
+# at every step on a CPU; a fourth of them is faster and leaner (bench/RESULTS.md)
+loss_chunk = 512
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_iters = 30

@@ -97,8 +97,8 @@ class TrainConfig(GPTConfig):
                                         # writes its rows) | auto (sharded when the weights and AdamW state
                                         # are over a quarter of rank 0's RAM)
     activation_checkpointing: bool = False  # keep each block's input only; recompute it in the backward
-    loss_chunk: int = 0                 # >0: the loss this many tokens at a time, the logits recomputed in
-                                        # the backward, so the full logits and their gradient never exist
+    loss_chunk: int = 0                 # >0: the loss this many tokens at a time, its gradients formed in the
+                                        # forward (stepgpt/losses.py), so the full logits never exist
     sync_check_every: int = 0           # >0: also check every N steps that all ranks hold the same weights
     dist_timeout: float = 300.0         # seconds a rank waits in a collective for the others before it gives
                                         # up (a rank gone or hung; NCCL's default is 600, gloo's 1800): above

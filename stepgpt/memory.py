@@ -89,14 +89,16 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     backward, whose peak, the recomputed activations with the gradients of them, is 10.5C + 7.5F
     (fitted to the allocator at C in {192, 384}, F in {512, 1024}, within 2 %: 13C + 4F, the
     activations and two gradients, fell 10-18 % short where the chunked loss stopped hiding it).
-    loss_chunk holds 4V (the recomputed logits too) for loss_chunk tokens instead of 3V for all.
+    loss_chunk (stepgpt/losses.py) holds instead dX and its scaled copy (2C) for every token, the log-
+    softmax of one chunk with its input (2V) for loss_chunk tokens, and dW with its scaled copy (2VC).
     tests/test_grow.py checks this against the allocator within 10 %.
     dtype "bfloat16" (bf16 autocast on CUDA), per token, in bytes: the residual stream stays fp32
     (each norm's input, 4C twice); every linear saves its own bf16 copy of its input (q, k, v: 6C;
     gate, up: 4C); q and k before RoPE and after, and v (10C); the SDPA output and its copy for o
     (4C); SwiGLU's four bf16 tensors (8F); a frozen layer's x A^T (7 x 2r). The head: the final
     norm and the lm_head's input copy (6C), the fp32 log-softmax, its gradient and the logits'
-    gradient in fp32 and bf16 (14V). Checkpointing keeps each layer's fp32 input (4C) and, at the
+    gradient in fp32 and bf16 (14V); with loss_chunk dX twice (8C), one chunk's fp32 logits and log-
+    softmax (8V) and dW twice in fp32 (8VC). Checkpointing keeps each layer's fp32 input (4C) and, at the
     recomputed layer, its activations and their gradients (44C + 16F). Derived from what each op
     saves, not fitted: bench/peak_memory.py --device cuda measures it (bench/RESULTS.md)."""
     C, F, V, r = cfg.n_embd, cfg.ffn_hidden, cfg.vocab_size, cfg.lora_rank
@@ -104,15 +106,15 @@ def activation_bytes(cfg, tokens, n_trainable, n_frozen=0, checkpointing=False, 
     if dtype == "float32":
         layer, frozen, head, kept = 4 * (11 * C + 4 * F), 4 * 7 * r, 4 * 3 * C, 4 * C
         redo = 4 * (10.5 * C + 7.5 * F)
-        loss = 4 * (4 * V * share if loss_chunk else 3 * V)
+        loss = 4 * (2 * C + 2 * V * share if loss_chunk else 3 * V)
     else:
         layer, frozen, head, kept, redo = 32 * C + 8 * F, 2 * 7 * r, 6 * C, 4 * C, 44 * C + 16 * F
-        loss = 16 * V * share if loss_chunk else 14 * V
+        loss = 8 * C + 8 * V * share if loss_chunk else 14 * V
+    head_grads = 8 * V * C if loss_chunk else 0   # dW and its scaled copy, in fp32, whatever the tokens
     if checkpointing:
-        per_token = layers * kept + max(head + loss, redo + frozen * (n_frozen > 0))
-    else:
-        per_token = layers * layer + n_frozen * frozen + head + loss
-    return int(tokens * per_token)
+        return int(tokens * layers * kept + max(tokens * (head + loss) + head_grads,
+                                                tokens * (redo + frozen * (n_frozen > 0))))
+    return int(tokens * (layers * layer + n_frozen * frozen + head + loss) + head_grads)
 
 
 def sharded_state(cfg, n_trainable, n_frozen, world, mode, train_embeddings=True, optimizer="adamw"):

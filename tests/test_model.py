@@ -266,9 +266,43 @@ def test_checkpointing_and_chunked_loss_compute_the_same_loss_and_gradients(kw):
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     (l0, g0), (l1, g1) = out
-    assert torch.allclose(l0, l1, rtol=1e-6, atol=0) and g0.keys() == g1.keys()
+    assert torch.allclose(l0, l1, rtol=1e-12, atol=0) and g0.keys() == g1.keys()
     for n in g0:
-        assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-9), n
+        assert torch.allclose(g0[n], g1[n], rtol=1e-9, atol=1e-15), n
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+def test_the_chunked_loss_against_cross_entropy_in_float64(chunk):
+    """stepgpt/losses.py on a ragged shape with ignored targets: the loss and both gradients (scaled
+    by the incoming one) against F.cross_entropy in float64; with the head frozen (no dW); under
+    no_grad (the loss alone); and under bf16 autocast (fp32 out, within bf16's error)."""
+    from stepgpt.losses import linear_cross_entropy
+    g = torch.Generator().manual_seed(chunk)
+    x = torch.randn(37, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 11, (37,), generator=g)
+    t[::4] = -1
+    ref = torch.nn.functional.cross_entropy(x @ w.t(), t, ignore_index=-1)
+    gx, gw = torch.autograd.grad(3 * ref, (x, w))
+    loss = linear_cross_entropy(x, w, t, chunk)
+    (3 * loss).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-10, atol=1e-15)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-10, atol=1e-15)
+    x.grad = None
+    w.requires_grad_(False)
+    linear_cross_entropy(x, w, t, chunk).backward()
+    torch.testing.assert_close(x.grad, gx / 3, rtol=1e-10, atol=1e-15)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(x, w, t, chunk), ref, rtol=1e-12, atol=0)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = linear_cross_entropy(x32, w32, t, chunk)
+    loss.backward()
+    assert loss.dtype == x32.grad.dtype == w32.grad.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-2, atol=0)
+    torch.testing.assert_close(x32.grad.double(), gx / 3, rtol=0, atol=2e-2 * gx.abs().max().item())
+    torch.testing.assert_close(w32.grad.double(), gw / 3, rtol=0, atol=2e-2 * gw.abs().max().item())
 
 
 @pytest.mark.parametrize("mode", ["reference", "triton"])
