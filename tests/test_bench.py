@@ -522,3 +522,111 @@ def test_kernel_table_is_written_after_each_shape(tmp_path, monkeypatch):
     assert "Partial" not in final and final.count("| 1B | down |") == 5
     assert "- FAIL  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" not in final
     assert "- PASS  1B down step:fused* f+b time / bf16 frozen: 1.00x (goal <= 1.10)" in final
+
+
+FAKE_NANOGPT = '''
+"""nanoGPT's model.py in little: GPTConfig, GPT(config) (printing its size), forward(idx, targets) ->
+(logits, loss), the head tied to the embedding, a layer's matmuls as nanoGPT's."""
+from dataclasses import dataclass
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class Block(nn.Module):
+    def __init__(self, c, bias):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(c, 3 * c, bias=bias), nn.Linear(c, c, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c, bias=bias), nn.GELU(), nn.Linear(4 * c, c, bias=bias))
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        x = x + self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config.n_embd, config.bias) for _ in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight
+        print("number of parameters: ...")
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+
+def versus_rows(out):
+    """{(model, mode): its cells} of bench/versus.py's table."""
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| model")]
+    return {(r[0], r[1]): r for r in rows}
+
+
+def test_versus_quick_without_nanogpt_skips_its_rows_in_one_line(capsys):
+    """`python bench/versus.py --quick` as docs/kernels.md shows it, in-process: without --nanogpt one
+    line says nanoGPT's rows are skipped; ours (vanilla, each stage of step_small's plan) and Hugging
+    Face's Llama (where transformers is installed) train at positive tokens/s, Llama at our vanilla's
+    FLOPs (the same matmuls), our last stage below them (frozen layers: no weight gradient)."""
+    import importlib.util
+    from bench import versus
+    versus.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "nanoGPT rows skipped: no --nanogpt PATH" in out
+    rows = versus_rows(out)
+    names = ["ours vanilla", "ours STEP 1/2, 1 layer", "ours STEP 2/2, 2 layers, 1 frozen"]
+    if importlib.util.find_spec("transformers"):
+        names.append("HF Llama")
+        assert rows["HF Llama", "eager-fp32"][3] == rows["ours vanilla", "eager-fp32"][3]
+    assert list(rows) == [(n, "eager-fp32") for n in names]
+    assert all(float(r[5].replace(",", "")) > 0 and r[7].endswith("%") for r in rows.values())
+    assert float(rows[names[2], "eager-fp32"][3]) < float(rows["ours vanilla", "eager-fp32"][3])
+    assert "STEP last stage / vanilla (eager-fp32): " in out and "GEMM peak (512^3 matmul): fp32 " in out
+
+
+def test_versus_loads_nanogpt_from_a_checkout(tmp_path, monkeypatch, capsys):
+    """`python bench/versus.py --nanogpt PATH` with a checkout holding a model.py of nanoGPT's
+    interface (a stand-in: no copy of nanoGPT here): loaded from there, its row at our vanilla's FLOPs
+    at step_small's shape (its 4 x n_embd MLP against our SwiGLU's ffn 512 = 8/3 x 192), the others
+    compared with it; --out holds the printed table; compiled modes without a C++ compiler are
+    skipped in one line."""
+    import importlib.util
+    from bench import versus
+    from stepgpt import runtime
+    (tmp_path / "nanoGPT").mkdir()
+    (tmp_path / "nanoGPT" / "model.py").write_text(FAKE_NANOGPT)
+    monkeypatch.setattr(runtime, "has_cpp_compiler", lambda: False)
+    find_spec = importlib.util.find_spec   # as without transformers
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers"
+                        else find_spec(name, *a))
+    table = tmp_path / "versus.md"
+    versus.main(["--quick", "--nanogpt", str(tmp_path / "nanoGPT"), "--modes", "eager-fp32,compiled-fp32",
+                 "--out", str(table)])
+    out = capsys.readouterr().out
+    assert "compiled modes skipped: torch.compile needs a C++ compiler" in out
+    assert "HF Llama rows skipped: transformers is not installed" in out and "nanoGPT rows skipped" not in out
+    assert "number of parameters" not in out
+    rows = versus_rows(out)
+    nano, ours = rows["nanoGPT", "eager-fp32"], rows["ours vanilla", "eager-fp32"]
+    assert nano[3] == ours[3] and nano[8] == "" and ours[8].endswith("x")
+    assert float(nano[2].split("M")[0]) < float(ours[2].split("M")[0])   # its head is its embedding
+    assert [line for line in table.read_text().splitlines() if line.startswith("|")] == \
+        [line for line in out.splitlines() if line.startswith("|")]
