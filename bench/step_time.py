@@ -41,10 +41,10 @@ def build(tcfg, n_layer, n_frozen, vocab, block, device):
     return model, train.configure_optimizer(model, tcfg, device)
 
 
-def step(model, opt, x, y, autocast, loss_chunk=0):
+def step(model, opt, x, y, autocast, **kw):
+    """One training step; kw goes to the model's forward (ours: loss_chunk, as train.py passes it)."""
     with autocast:
-        # not a name for the logits: they would live through the step
-        loss = model(x, y, loss_chunk=loss_chunk)[1]
+        loss = model(x, y, **kw)[1]   # not a name for the logits: they would live through the step
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -102,7 +102,7 @@ def main(argv=None):
 
     for run in runs.values():
         for _ in range(args.warmup):
-            step(run["fn"], run["opt"], x, y, autocast, tcfg.loss_chunk)
+            step(run["fn"], run["opt"], x, y, autocast, loss_chunk=tcfg.loss_chunk)
     c, f, r = tcfg.n_embd, tcfg.ffn_hidden, tcfg.lora_rank
     about = (f"{args.config}: {n_layer} layers, n_embd {c}, ffn {f}, lora rank {r}, vocab {vocab}; "
              f"batch {batch} x {block} tokens; {device.type}, {dtype}{', compiled' if compiled else ''}, "
@@ -114,7 +114,7 @@ def main(argv=None):
             sync()
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                step(run["fn"], run["opt"], x, y, autocast, tcfg.loss_chunk)
+                step(run["fn"], run["opt"], x, y, autocast, loss_chunk=tcfg.loss_chunk)
             sync()
             run["times"].append((time.perf_counter() - t0) / args.steps)
         if args.out:

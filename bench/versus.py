@@ -18,7 +18,8 @@ ffn_hidden 512, the data's vocabulary as bench/step_time.py takes it, batch 16 x
   layers, heads, vocabulary, rope theta, norm eps and embedding tying of ours, sdpa attention);
   without transformers its rows are skipped with one line.
 
-A step is forward with the loss, backward and the optimizer step: ours train.configure_optimizer's
+A step is forward with the loss (ours with the config's loss_chunk, as train.py runs it), backward
+and the optimizer step: ours train.configure_optimizer's
 (the config's optimizer; step_small: AdamW), the others torch.optim.AdamW over all their parameters
 (fused on CUDA, as ours). Modes: eager or torch.compile(model) (its compilation is the first warm-up
 step, reported as "compile s" and left out of the timing; on a CPU only with a C++ compiler, else
@@ -121,11 +122,12 @@ def adamw(model, tcfg, device):
 
 
 def rows(tcfg, plan, n_layer, vocab, block, device, nanogpt, hf):
-    """-> [(name, build function -> (model, optimizer, FLOPs per token))] of one mode's models."""
+    """-> [(name, build function -> (model, optimizer, FLOPs per token, forward's keywords))] of one
+    mode's models."""
     def ours(n, frozen):
         def make():
             model, opt = build(tcfg, n, frozen, vocab, block, device)
-            return model, opt, model.estimate_flops()
+            return model, opt, model.estimate_flops(), dict(loss_chunk=tcfg.loss_chunk)   # as train.py
         return make
 
     def other(make_model, depth):
@@ -133,7 +135,7 @@ def rows(tcfg, plan, n_layer, vocab, block, device, nanogpt, hf):
             torch.manual_seed(0)
             with contextlib.redirect_stdout(io.StringIO()):   # nanoGPT prints its parameter count
                 model = make_model().to(device)
-            return model, adamw(model, tcfg, device), linear_flops(model, depth, tcfg.n_embd, block)
+            return model, adamw(model, tcfg, device), linear_flops(model, depth, tcfg.n_embd, block), {}
         return make
 
     out = [("ours vanilla", ours(n_layer, 0))]
@@ -255,19 +257,19 @@ def main(argv=None):
         autocast = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
         runs = []
         for name, make in rows(tcfg, plan, n_layer, vocab, block, device, nanogpt, hf):
-            model, opt, flops = make()
+            model, opt, flops, kw = make()
             kernels.measure_layers(model, batch * block, dtype,
                                    (frozen_linear.forward, frozen_linear.backward))
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = model.num_params()[1] if hasattr(model, "num_params") else 0
             runs.append(dict(name=name, mode=mode, model=model, opt=opt, flops=flops, trained=trained,
-                             frozen=frozen, fn=torch.compile(model) if compiled else model, times=[],
+                             frozen=frozen, fn=torch.compile(model) if compiled else model, kw=kw, times=[],
                              compile_s=None))
         for run in runs:
             for i in range(max(args.warmup, 1 if compiled else 0)):
                 sync()
                 t0 = time.perf_counter()
-                step(run["fn"], run["opt"], x, y, autocast)
+                step(run["fn"], run["opt"], x, y, autocast, **run["kw"])
                 sync()
                 if compiled and i == 0:
                     run["compile_s"] = time.perf_counter() - t0
@@ -276,7 +278,7 @@ def main(argv=None):
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    step(run["fn"], run["opt"], x, y, autocast)
+                    step(run["fn"], run["opt"], x, y, autocast, **run["kw"])
                 sync()
                 run["times"].append((time.perf_counter() - t0) / args.steps)
             if args.out:

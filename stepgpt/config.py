@@ -85,7 +85,8 @@ class TrainConfig(GPTConfig):
     grad_clip: float = 1.0              # 0: no clipping
     # system: how the run executes, not what it computes (checkpoint.RUNTIME_KEYS)
     device: str = "auto"                # auto (CUDA, then Apple's MPS, then CPU) | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"                 # auto (bf16 autocast on CUDA, else fp32) | float32 | bfloat16
+    dtype: str = "auto"                 # auto (bf16 autocast on CUDA and on a CPU with AMX or AVX-512 BF16,
+                                        # else fp32) | float32 | bfloat16
     compile: bool = True                # torch.compile on CUDA (never on MPS)
     compile_cpu: bool = False           # also on CPU (needs a C++ compiler): 12-18 % faster steps at
                                         # step_small, after ~40 s of compiling at each stage

@@ -13,7 +13,7 @@ import torch
 
 import grow
 from model import GPT, merge_quality
-from stepgpt import kernels, memory
+from stepgpt import kernels, memory, runtime
 from stepgpt.checkpoint import checkpoint_files, checkpoint_step, load_checkpoint, written
 from stepgpt.errors import UserError
 
@@ -285,6 +285,11 @@ def describe(run, model):
            else " (off on CPU: --compile_cpu=True)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     bf16 = " (bf16 autocast, fp32 master weights)" if run.dtype == "bfloat16" else ""
+    if cfg.dtype == "auto" and device.type == "cpu":   # why, where it depends on the CPU
+        native = runtime.native_bf16()
+        bf16 += (f" (dtype=auto: this CPU computes bf16 natively, {native})" if native else
+                 " (dtype=auto: this CPU has no native bf16, AVX-512 BF16 or AMX; --dtype=bfloat16 "
+                 "forces it)")
     triton = kernels.use_triton(torch.empty(0, device=device))
     data = run.data
     facts = [("device", f"{device} ({name})"), ("dtype", run.dtype + bf16),

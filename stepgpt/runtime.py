@@ -76,8 +76,10 @@ def precision(cfg, device):
     """-> (dtype, autocast context, compile?) of a run on `device`; allows TF32 (train.py's runs and
     bench/step_time.py's timed steps alike). dtype=bfloat16 is bf16 autocast on CPU too: with
     compile_cpu it runs a GPU run's precision and compilation on a CPU. Compiled on CUDA, on the CPU
-    only when asked (compile_cpu) and a C++ compiler is there, never on MPS."""
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    only when asked (compile_cpu) and a C++ compiler is there, never on MPS. dtype=auto: bf16 autocast
+    on CUDA and on a CPU that computes bf16 natively (native_bf16), fp32 elsewhere."""
+    bf16 = device.type == "cuda" or device.type == "cpu" and native_bf16() is not None
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if bf16 else "float32")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     autocast = torch.autocast(device.type, torch.bfloat16) if dtype == "bfloat16" else nullcontext()
@@ -87,6 +89,13 @@ def precision(cfg, device):
               "on Windows) and none was found; training eager", flush=True)
         compiled = False
     return dtype, autocast, compiled
+
+
+def native_bf16():
+    """The instructions this CPU computes bf16 matmuls with (AMX, AVX-512 BF16), or None: without them
+    PyTorch emulates bf16 in fp32 and a bf16 step is slower than an fp32 one (bench/RESULTS.md)."""
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX-512 BF16", "_is_avx512_bf16_supported"))
+    return next((name for name, probe in probes if getattr(torch.cpu, probe, lambda: False)()), None)
 
 
 def has_cpp_compiler():

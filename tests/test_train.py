@@ -122,6 +122,29 @@ def test_dry_run_prints_config_model_and_plan_and_writes_nothing(tmp_path, capsy
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
 
 
+
+@pytest.mark.parametrize("native", [None, "AMX"])
+def test_dtype_auto_on_a_cpu_is_bf16_where_it_computes_bf16_natively(native, tmp_path, monkeypatch, capsys):
+    """dtype=auto: bf16 autocast on a CPU with AMX or AVX-512 BF16 (PyTorch's probes), fp32 without;
+    the run's header says which and why; dtype=float32 and dtype=bfloat16 force either way."""
+    from dataclasses import replace
+    from stepgpt import runtime
+    from stepgpt.config import load_config
+    monkeypatch.setattr(runtime, "native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    cfg = load_config(args(tmp_path, "--device=cpu"))
+    dtype, autocast, _ = runtime.precision(cfg, cpu)
+    assert dtype == ("bfloat16" if native else "float32")
+    assert isinstance(autocast, torch.autocast) == bool(native)
+    for forced in ("float32", "bfloat16"):
+        assert runtime.precision(replace(cfg, dtype=forced), cpu)[0] == forced
+    train.main(args(tmp_path, "--device=cpu", "--dry_run=True"))
+    line = re.search(r"^ +dtype : (.*)$", capsys.readouterr().out, re.M).group(1)
+    assert line == ("bfloat16 (bf16 autocast, fp32 master weights) (dtype=auto: this CPU computes bf16 "
+                    "natively, AMX)" if native else "float32 (dtype=auto: this CPU has no native bf16, "
+                    "AVX-512 BF16 or AMX; --dtype=bfloat16 forces it)")
+
+
 # -- training -----------------------------------------------------------------------------------
 
 def test_the_final_sample_decodes_with_the_data_folders_tokenizer_alone(tmp_path, monkeypatch):
