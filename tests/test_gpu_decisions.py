@@ -98,10 +98,10 @@ def test_ddp_and_fsdp_compute_the_one_process_run_under_bf16_and_compile(runs):
         assert val_losses(runs[0][name][0]) == pytest.approx(one, abs=1e-2), name
 
 
-def test_bf16_runs_follow_the_fp32_run_within_two_hundredths_of_a_nat(runs):
-    """bf16 autocast, with DDP's bf16 gradients and FSDP's bf16 policy on 2 gloo ranks, through a growth:
-    every val loss within 0.02 of the fp32 run's (each is ~5.7 nats; the bf16 runs agree among
-    themselves within 1e-2, test above)."""
+def test_bf16_runs_follow_the_fp32_run_within_two_thousandths_of_a_nat(runs):
+    """bf16 autocast, with DDP's bf16 autocast and FSDP's bf16 policy on 2 gloo ranks, through a
+    growth: every val loss within 2e-3 of the fp32 run's (the losses are 5.1-5.8 nats; measured
+    within 1e-4 on the CPU box, bench/RESULTS.md)."""
     fp32 = val_losses(runs[0]["fp32"][0])
     for name in ("eager", *RUNS):
-        assert val_losses(runs[0][name][0]) == pytest.approx(fp32, abs=2e-2), name
+        assert val_losses(runs[0][name][0]) == pytest.approx(fp32, abs=2e-3), name
