@@ -1,12 +1,12 @@
 """The loss through the head a chunk of tokens at a time: cross_entropy(x·Wᵀ, targets), no full logits.
 
-Each chunk forms its logits, their log-sum-exp and, while they are at hand, the gradients of the
+Each chunk forms its logits, their log-softmax and, while they are at hand, the gradients of the
 mean loss with respect to x and W (softmax minus one-hot, over the number of targets); the backward
 only scales those by its incoming gradient. So the head's three matmuls run once each, as without
 chunks (nothing is recomputed), and what lives from the forward to the backward is dX (tokens x C)
 and dW (V x C, fp32) instead of tokens x V logits, their log-softmax and, later, their gradients. On a
 CPU it is also the faster loss: glibc maps every allocation over 32 MB afresh, so full logits are new
-pages faulted in at each step, four times (bench/RESULTS.md, "The loss a chunk at a time").
+pages faulted in at each step, four times (bench/RESULTS.md, "The CPU run").
 """
 import torch
 
