@@ -484,11 +484,11 @@ def test_step_time_table_is_written_after_each_window(tmp_path, monkeypatch, cap
     calls = []
     real = step_time.step
 
-    def failing(*args):
+    def failing(*args, **kw):
         calls.append(1)
         if len(calls) == 5:   # 2 models x 2 windows done
             raise RuntimeError("killed")
-        real(*args)
+        real(*args, **kw)
 
     monkeypatch.setattr(step_time, "step", failing)
     with pytest.raises(RuntimeError):
