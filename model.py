@@ -228,8 +228,11 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.o(y.transpose(1, 2).reshape(B, T, C))
+        # PyTorch's CPU attention runs bf16 up to 2.3x slower than fp32 (bench/RESULTS.md): fp32 on a CPU
+        with torch.autocast("cpu", enabled=False):
+            dt = torch.float32 if x.device.type == "cpu" and q.dtype == torch.bfloat16 else q.dtype
+            y = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), is_causal=True)  # (B, nh, T, hs)
+        return self.o(y.to(q.dtype).transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):

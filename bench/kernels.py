@@ -14,9 +14,10 @@ Providers, all with bf16 activations, timed forward, backward and forward+backwa
   bf16 trained  F.linear with a trained bf16 weight (dX and dW in the backward)
 
 Without CUDA it checks the Triton paths against the reference in the Triton interpreter, then times
-what a CPU run uses, forward + backward in fp32 at step_small's layer shapes (with 350M's unless
---quick): the frozen linear's plain-PyTorch path with the int8 store and with a bf16 store, against
-nn.Linear's frozen and trained weights.
+what a CPU run uses, forward + backward at step_small's layer shapes (with 350M's unless --quick), in
+the CPU run's precision (bf16 autocast where the CPU computes bf16 natively, fp32 elsewhere: as
+dtype=auto decides): the frozen linear's plain-PyTorch path with the int8 store and with a bf16
+store, against nn.Linear's frozen and trained weights.
 """
 import argparse
 import os
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 import frozen_linear
 from model import quantize_int8
-from stepgpt import kernels
+from stepgpt import kernels, runtime
 from stepgpt.kernels import frozen_lora
 
 MODELS = {"350M": (1024, 2736), "1B": (2048, 5504)}        # hidden, FFN width, as config/step_*.py
@@ -244,15 +245,16 @@ CPU_MODELS = {"step_small": (192, 512, 8), "350M": (1024, 2736, 64)}   # hidden,
 CPU_TOKENS = 16 * 128    # step_small's micro-batch
 
 
-def cpu_providers(m, n, k, r):
-    """-> [(name, forward + backward, its GEMM FLOPs)] in fp32 on the CPU, for y[M, N] = x[M, K]·Wᵀ."""
+def cpu_providers(m, n, k, r, autocast):
+    """-> [(name, forward + backward, its GEMM FLOPs)] on the CPU under `autocast` (fp32 weights and
+    inputs, as in training), for y[M, N] = x[M, K]·Wᵀ."""
     from torch.utils.benchmark import Timer
     x = torch.randn(m, k, requires_grad=True)
     w = torch.randn(n, k) / k ** 0.5
     q, scale = quantize_int8(w)
     a = (torch.randn(r, k) / k ** 0.5).requires_grad_()
     b = (torch.randn(n, r) / r ** 0.5).requires_grad_()
-    trained = w.clone().requires_grad_()
+    trained, stored = w.clone().requires_grad_(), w.bfloat16()
     dy = torch.randn(m, n)
     lora = 4 * m * n * k + 6 * m * r * (k + n)   # x·Wᵀ and dY·W, and the adapter's six thin GEMMs
 
@@ -260,25 +262,31 @@ def cpu_providers(m, n, k, r):
         def run():
             for t in grads:
                 t.grad = None
-            fn().backward(dy)
+            with autocast:
+                y = fn()
+            y.backward(dy.to(y.dtype))
         return Timer("run()", globals={"run": run}).blocked_autorange(min_run_time=0.5).median
     return [("step int8 (reference)", step(lambda: frozen_linear.frozen_lora_linear(
                 x, q, scale, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
             ("step bf16 store", step(lambda: frozen_linear.frozen_lora_linear(
-                x, w.bfloat16(), None, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
+                x, stored, None, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
             ("nn.Linear frozen", step(lambda: F.linear(x, w), [x]), 4 * m * n * k),
             ("nn.Linear trained", step(lambda: F.linear(x, trained), [x, trained]), 6 * m * n * k)]
 
 
 def run_cpu_speed(quick, lines):
     """The table of cpu_providers at the shipped configs' layer shapes, appended to `lines`."""
-    lines += [f"CPU, fp32, {torch.get_num_threads()} threads, M = {CPU_TOKENS} tokens, forward + backward:",
+    native = runtime.native_bf16()   # what dtype=auto picks on this CPU (stepgpt/runtime.py)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=bool(native))
+    precision = f"bf16 autocast ({native})" if native else "fp32 (no native bf16)"
+    lines += [f"CPU, {precision}, {torch.get_num_threads()} threads, M = {CPU_TOKENS} tokens, "
+              "forward + backward:",
               "| model | layer | N x K | r | provider | ms | GFLOP/s | vs nn.Linear trained |",
               "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines[-3:]), flush=True)
     for model, (d, ffn, r) in list(CPU_MODELS.items())[:1 if quick else None]:
         for layer, n, k in layer_shapes(d, ffn):
-            rows = cpu_providers(CPU_TOKENS, n, k, r)
+            rows = cpu_providers(CPU_TOKENS, n, k, r, autocast)
             base = rows[-1][1]
             for name, seconds, flops in rows:
                 lines.append(f"| {model} | {layer} | {n} x {k} | {r} | {name} | {seconds * 1e3:.3f} | "
