@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import frozen_linear
 from model import quantize_int8
-from stepgpt import kernels, runtime
+from stepgpt import kernels
 from stepgpt.kernels import frozen_lora
 
 MODELS = {"350M": (1024, 2736), "1B": (2048, 5504)}        # hidden, FFN width, as config/step_*.py
@@ -276,7 +276,8 @@ def cpu_providers(m, n, k, r, autocast):
 
 def run_cpu_speed(quick, lines):
     """The table of cpu_providers at the shipped configs' layer shapes, appended to `lines`."""
-    native = runtime.native_bf16()   # what dtype=auto picks on this CPU (stepgpt/runtime.py)
+    from stepgpt.runtime import native_bf16   # here, not above: it imports tiktoken, the GPU path does not
+    native = native_bf16()   # what dtype=auto picks on this CPU
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=bool(native))
     precision = f"bf16 autocast ({native})" if native else "fp32 (no native bf16)"
     lines += [f"CPU, {precision}, {torch.get_num_threads()} threads, M = {CPU_TOKENS} tokens, "

@@ -445,7 +445,7 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
     standing in for the GPU, the frozen layers run the Triton kernels inside the timed steps (no
     warm-up: every step is timed)."""
     from bench import step_time
-    from stepgpt import kernels
+    from stepgpt import kernels, runtime
     needs_interpreter()
     monkeypatch.setenv("STEP_KERNELS", "triton")
     calls = []
@@ -454,7 +454,8 @@ def test_train_bench_times_the_triton_path_as_train_py_runs_it(monkeypatch, caps
     step_time.main(["--layers", "2", "--batch", "2", "--block", "16", "--windows", "1", "--steps", "1",
                       "--warmup", "0", "--set", "device=cpu"])
     assert calls and set(calls) <= set(kernels.PATHS)
-    assert "cpu, float32, torch" in capsys.readouterr().out
+    dtype = "bfloat16" if runtime.native_bf16() else "float32"   # what train.py's dtype=auto picks here
+    assert f"cpu, {dtype}, torch" in capsys.readouterr().out
 
 
 def test_memory_bench_skips_the_8bit_rows_without_bitsandbytes(monkeypatch, capsys):

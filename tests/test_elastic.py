@@ -32,10 +32,12 @@ DOCS = os.path.join(ROOT, "docs", "distributed.md")
 # config/step_350m.py scaled down in size only: 2 x 16 tokens x 6 micro-steps = 192 tokens a step
 # (6 micro-steps and 6 eval batches divide over 1, 2 and 3 ranks), 6 steps in stage 1, the growth at
 # step 6, 10 in stage 2 with ReLoRA restarts at 8, 10, 12 and 14
+# fp32: the equalities below are fp32's; dtype=auto would pick bf16 autocast on a CPU that computes bf16
+# natively, whose rounding differs with each rank's share (tests/test_gpu_decisions.py holds bf16 to fp32)
 SIZE = ["--vocab_size=0", "--n_embd=32", "--n_head=2", "--ffn_hidden=64", "--block_size=16", "--lora_rank=4",
         "--lora_alpha=8.0", "--target_layers=2", "--batch_size=2", "--gradient_accumulation_steps=6",
         "--stage_tokens=[1152, 1920]", "--warmup_iters=2", "--stage_warmup_iters=2", "--relora_every=2",
-        "--eval_iters=6", "--log_interval=1", "--sample_tokens=0"]
+        "--eval_iters=6", "--log_interval=1", "--sample_tokens=0", "--dtype=float32"]
 
 # train.py with faults, each {"attempt": torchrun's restart count, "victim": rank, "signal": SIGKILL |
 # SIGTERM | SIGSTOP | FSIZE (a file size limit of 64 KiB, under the checkpoint's and its shards',
