@@ -245,9 +245,9 @@ CPU_MODELS = {"step_small": (192, 512, 8), "350M": (1024, 2736, 64)}   # hidden,
 CPU_TOKENS = 16 * 128    # step_small's micro-batch
 
 
-def cpu_providers(m, n, k, r, autocast):
-    """-> [(name, forward + backward, its GEMM FLOPs)] on the CPU under `autocast` (fp32 weights and
-    inputs, as in training), for y[M, N] = x[M, K]·Wᵀ."""
+def cpu_providers(m, n, k, r, bf16):
+    """-> [(name, forward + backward, its GEMM FLOPs)] on the CPU, under bf16 autocast if `bf16` (fp32
+    weights and inputs, as in training), for y[M, N] = x[M, K]·Wᵀ."""
     from torch.utils.benchmark import Timer
     x = torch.randn(m, k, requires_grad=True)
     w = torch.randn(n, k) / k ** 0.5
@@ -255,7 +255,8 @@ def cpu_providers(m, n, k, r, autocast):
     a = (torch.randn(r, k) / k ** 0.5).requires_grad_()
     b = (torch.randn(n, r) / r ** 0.5).requires_grad_()
     trained, stored = w.clone().requires_grad_(), w.bfloat16()
-    dy = torch.randn(m, n)
+    dy = torch.randn(m, n).to(torch.bfloat16 if bf16 else torch.float32)   # the outputs' dtype
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=bf16)
     lora = 4 * m * n * k + 6 * m * r * (k + n)   # x·Wᵀ and dY·W, and the adapter's six thin GEMMs
 
     def step(fn, grads):
@@ -264,7 +265,7 @@ def cpu_providers(m, n, k, r, autocast):
                 t.grad = None
             with autocast:
                 y = fn()
-            y.backward(dy.to(y.dtype))
+            y.backward(dy)
         return Timer("run()", globals={"run": run}).blocked_autorange(min_run_time=0.5).median
     return [("step int8 (reference)", step(lambda: frozen_linear.frozen_lora_linear(
                 x, q, scale, a, b, LORA_SCALE, "reference"), [x, a, b]), lora),
@@ -278,7 +279,6 @@ def run_cpu_speed(quick, lines):
     """The table of cpu_providers at the shipped configs' layer shapes, appended to `lines`."""
     from stepgpt.runtime import native_bf16   # here, not above: it imports tiktoken, the GPU path does not
     native = native_bf16()   # what dtype=auto picks on this CPU
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=bool(native))
     precision = f"bf16 autocast ({native})" if native else "fp32 (no native bf16)"
     lines += [f"CPU, {precision}, {torch.get_num_threads()} threads, M = {CPU_TOKENS} tokens, "
               "forward + backward:",
@@ -287,7 +287,7 @@ def run_cpu_speed(quick, lines):
     print("\n".join(lines[-3:]), flush=True)
     for model, (d, ffn, r) in list(CPU_MODELS.items())[:1 if quick else None]:
         for layer, n, k in layer_shapes(d, ffn):
-            rows = cpu_providers(CPU_TOKENS, n, k, r, autocast)
+            rows = cpu_providers(CPU_TOKENS, n, k, r, bool(native))
             base = rows[-1][1]
             for name, seconds, flops in rows:
                 lines.append(f"| {model} | {layer} | {n} x {k} | {r} | {name} | {seconds * 1e3:.3f} | "
